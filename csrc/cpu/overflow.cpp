@@ -1,0 +1,49 @@
+// CPU backend of the multi-tensor overflow reduction: the core/overflow.h step over every chunk of
+// the same plan the CUDA backend uses, in parallel over chunks. The sum of squares is reduced per
+// chunk and the chunk partials are added in plan order, so the result does not depend on the number
+// of threads.
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../core/overflow.h"
+#include "../kernels.h"
+#include "isa.h"
+
+namespace mpf {
+namespace {
+
+#define MPF_CPU_IMPL_NS baseline
+#include "overflow_impl.inc"
+#undef MPF_CPU_IMPL_NS
+
+#if MPF_HAVE_AVX2_CLONES
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define MPF_CPU_IMPL_NS avx2
+#include "overflow_impl.inc"
+#undef MPF_CPU_IMPL_NS
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+void overflow_check_cpu(const OverflowArgs& a, int num_threads) {
+  if (num_threads < 1) num_threads = 1;
+  std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
+  for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
+  // The CPU has no parameter-space limit, so the plan is a single launch; flatten it anyway.
+  std::vector<std::pair<int64_t, int64_t>> work;  // (tensor, chunk)
+  for (const PlanLaunch& l : plan_multi_tensor(numel.data(), a.num_tensors, kCpuOverflowLimits))
+    for (const PlanItem& it : l.items) work.emplace_back(l.tensors[it.slot], it.chunk);
+  if (work.empty()) return;
+  dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
+    using Mode = decltype(mode);
+#if MPF_HAVE_AVX2_CLONES
+    if (cpu_has_avx2()) return avx2::run<Mode>(a, work, num_threads);
+#endif
+    baseline::run<Mode>(a, work, num_threads);
+  });
+}
+
+}  // namespace mpf

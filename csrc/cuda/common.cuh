@@ -1,0 +1,40 @@
+// Small CUDA helpers shared by the kernels: error checks, block reductions, 16-byte vectors.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace mpf {
+
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("mpfused: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Sum over the block; the result is valid in thread 0. Fixed shuffle tree: deterministic.
+template <typename T, int kThreads>
+__device__ __forceinline__ T block_sum(T v) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size must be a multiple of 32, at most 1024");
+  __shared__ T warp_sums[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? warp_sums[lane] : T(0);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// A 16-byte vector of N elements of T, for 128-bit global loads and stores.
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+}  // namespace mpf

@@ -1,0 +1,164 @@
+// CUDA backend of the multi-tensor overflow reduction.
+//
+// One launch covers a whole list of tensors of mixed dtypes (up to kMaxTensors tensors and kMaxItems
+// chunks, what fits in the 32 KB parameter space of CUDA >= 12.1); a longer list is split on the host
+// by core/multi_tensor_plan.h. Each block owns one (tensor, chunk) work item and reads it with 16-byte
+// loads when the data is aligned. The dtype is looked up per block, so the branch is uniform.
+//
+// Sum of squares: each block writes its partial to scratch; the last block to finish (a counter
+// incremented after a fence) adds the partials in block order in FP64 and does *sumsq += total. The
+// result is deterministic, and no second launch is needed. found_inf is written as 1.0f by any block
+// that saw a non-finite value (a benign race: every writer stores the same value).
+#include <cstdint>
+#include <vector>
+
+#include "../core/overflow.h"
+#include "../kernels.h"
+#include "common.cuh"
+
+namespace mpf {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+constexpr int kMaxTensors = static_cast<int>(kCudaOverflowLimits.max_tensors);
+constexpr int kMaxItems = static_cast<int>(kCudaOverflowLimits.max_items);
+constexpr int64_t kChunk = kCudaOverflowLimits.chunk_size;
+
+struct OverflowLaunch {
+  void* ptr[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int32_t item_chunk[kMaxItems];
+  uint8_t dtype[kMaxTensors];
+  uint8_t item_slot[kMaxItems];
+};
+static_assert(kMaxTensors <= 256, "item_slot is a uint8_t");
+static_assert(kChunk % 8 == 0, "chunks must keep 16-byte alignment of 2-byte data");
+// 32764 bytes is the CUDA >= 12.1 limit for all kernel parameters together; the five pointers follow.
+static_assert(sizeof(OverflowLaunch) + 5 * sizeof(void*) <= 32764, "launch arguments exceed 32 KB");
+
+template <DType D, class Mode>
+__device__ __forceinline__ void process_chunk(void* base, int64_t n, float inv_scale, uint32_t& bad, float& acc) {
+  using T = typename Storage<D>::type;
+  using V = Vec16<T>;
+  T* p = static_cast<T*>(base);
+  int64_t head = 0;  // elements covered by the vector loop
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+    V* vp = reinterpret_cast<V*>(p);
+    const int64_t nvec = n / V::N;
+    head = nvec * V::N;
+    for (int64_t i0 = threadIdx.x; i0 < nvec; i0 += int64_t{kThreads} * kUnroll) {
+      V r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + int64_t{u} * kThreads;
+        if (i < nvec) r[u] = vp[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + int64_t{u} * kThreads;
+        if (i < nvec) {
+#pragma unroll
+          for (int e = 0; e < V::N; ++e) overflow_step<D, Mode>(r[u].v[e], inv_scale, bad, acc);
+          if (Mode::kUnscale) vp[i] = r[u];
+        }
+      }
+    }
+  }
+  for (int64_t i = head + threadIdx.x; i < n; i += kThreads) overflow_step<D, Mode>(p[i], inv_scale, bad, acc);
+}
+
+template <class Mode>
+__global__ void __launch_bounds__(kThreads)
+    overflow_kernel(const __grid_constant__ OverflowLaunch args, float* found_inf, const float* inv_scale_ptr,
+                    float* sumsq, float* partials, unsigned int* counter) {
+  const int slot = args.item_slot[blockIdx.x];
+  const int64_t begin = int64_t{args.item_chunk[blockIdx.x]} * kChunk;
+  const int64_t numel = args.numel[slot];
+  const int64_t n = numel - begin < kChunk ? numel - begin : kChunk;
+  const float inv_scale = Mode::kScale ? *inv_scale_ptr : 1.f;
+  uint32_t bad = 0;
+  float acc = 0.f;
+  switch (static_cast<DType>(args.dtype[slot])) {
+    case DType::kFloat32:
+      process_chunk<DType::kFloat32, Mode>(static_cast<float*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
+      break;
+    case DType::kFloat16:
+      process_chunk<DType::kFloat16, Mode>(static_cast<uint16_t*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
+      break;
+    case DType::kBFloat16:
+      process_chunk<DType::kBFloat16, Mode>(static_cast<uint16_t*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
+      break;
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
+
+  if constexpr (Mode::kSumsq) {
+    __shared__ bool is_last;
+    const float block_total = block_sum<float, kThreads>(acc);
+    if (threadIdx.x == 0) {
+      partials[blockIdx.x] = block_total;
+      __threadfence();  // publish the partial before counting this block as done
+      is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last) {
+      double d = 0.0;
+      for (unsigned i = threadIdx.x; i < gridDim.x; i += kThreads) d += static_cast<double>(__ldcg(partials + i));
+      d = block_sum<double, kThreads>(d);
+      if (threadIdx.x == 0) {
+        *sumsq += static_cast<float>(d);
+        *counter = 0u;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void overflow_check_cuda(const OverflowArgs& a, const ScratchAllocator& scratch, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
+  for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
+  const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOverflowLimits);
+  if (plan.empty()) return;
+
+  float* partials = nullptr;
+  unsigned int* counters = nullptr;
+  if (a.sumsq) {
+    const int64_t items = plan_total_items(plan);
+    const int64_t launches = static_cast<int64_t>(plan.size());
+    void* ws = scratch.alloc(scratch.ctx, items * int64_t{sizeof(float)} + launches * int64_t{sizeof(unsigned)});
+    partials = static_cast<float*>(ws);
+    counters = reinterpret_cast<unsigned int*>(partials + items);
+    cuda_check(cudaMemsetAsync(counters, 0, launches * sizeof(unsigned), stream), "zeroing reduction counters");
+  }
+
+  OverflowLaunch args;  // ~32 KB: filled per launch, copied into the parameter space by the launch
+  int64_t item_offset = 0;
+  for (size_t l = 0; l < plan.size(); ++l) {
+    const PlanLaunch& launch = plan[l];
+    for (size_t s = 0; s < launch.tensors.size(); ++s) {
+      const TensorRef& t = a.tensors[launch.tensors[s]];
+      args.ptr[s] = t.data;
+      args.numel[s] = t.numel;
+      args.dtype[s] = static_cast<uint8_t>(t.dtype);
+    }
+    const int items = static_cast<int>(launch.items.size());
+    for (int i = 0; i < items; ++i) {
+      args.item_slot[i] = static_cast<uint8_t>(launch.items[i].slot);
+      args.item_chunk[i] = launch.items[i].chunk;
+    }
+    float* launch_partials = partials ? partials + item_offset : nullptr;
+    unsigned int* launch_counter = counters ? counters + l : nullptr;
+    dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
+      overflow_kernel<decltype(mode)><<<items, kThreads, 0, stream>>>(args, a.found_inf, a.inv_scale, a.sumsq,
+                                                                     launch_partials, launch_counter);
+    });
+    cuda_check(cudaGetLastError(), "launching the overflow kernel");
+    item_offset += items;
+  }
+}
+
+int cuda_runtime_version_compiled() { return CUDART_VERSION; }
+
+}  // namespace mpf

@@ -1,0 +1,50 @@
+// The backend API that the CPU and the CUDA backends implement.
+//
+// Plain structs only: raw pointers, int64 sizes, a dtype enum. No torch and no CUDA types, so the
+// backends build and test without Python (CMakeLists.txt) and bindings.cpp is the one file that
+// translates between at::Tensor and these structs. Arguments arrive validated: the backends assume
+// contiguous tensors of a supported dtype on one device, and never see an invalid argument.
+#pragma once
+
+#include <cstdint>
+
+#include "core/multi_tensor_plan.h"
+#include "core/numeric.h"
+
+namespace mpf {
+
+struct TensorRef {
+  void* data;
+  int64_t numel;
+  DType dtype;
+};
+
+// Device memory for a backend's scratch space. bindings.cpp hands out memory from torch's caching
+// allocator on the current stream; it stays valid until the work queued on that stream has run.
+struct ScratchAllocator {
+  void* ctx;
+  void* (*alloc)(void* ctx, int64_t bytes);
+};
+
+// ---- multi-tensor overflow reduction --------------------------------------------------------------
+struct OverflowArgs {
+  const TensorRef* tensors;  // every tensor on one device; numel == 0 allowed (skipped)
+  int64_t num_tensors;
+  float* found_inf;          // one float: set to 1.0f when any element is inf/NaN; never cleared
+  const float* inv_scale;    // nullptr, or one float: values are multiplied by it (sum and unscale)
+  bool unscale;              // write x * inv_scale back in place; needs inv_scale
+  float* sumsq;              // nullptr, or one float: += sum of squares of the (unscaled) values
+};
+
+// Work split: chunk sizes and per-launch capacities. The CUDA limits follow from the 32 KB kernel
+// parameter space (CUDA >= 12.1): see cuda/overflow.cu, which static_asserts that they fit.
+constexpr PlanLimits kCpuOverflowLimits{int64_t{1} << 16, INT32_MAX, INT32_MAX};
+constexpr PlanLimits kCudaOverflowLimits{int64_t{1} << 16, 256, 5600};
+
+void overflow_check_cpu(const OverflowArgs& args, int num_threads);
+
+// ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
+void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
+int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
+
+}  // namespace mpf

@@ -1,0 +1,97 @@
+"""Typed wrappers over the native extension. The only Python module that touches ``mpfused._C``.
+
+Loading checks first that the installed torch is the one the extension was compiled against: torch's
+C++ ABI changes between releases, and a mismatch would otherwise surface as an obscure
+``undefined symbol`` error (or a crash) deep inside an import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Sequence
+
+import torch
+
+_REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
+
+
+def _load_native():
+    try:
+        config = importlib.import_module("mpfused._build_config")
+    except ImportError:
+        raise ImportError(
+            "mpfused's native extension has not been built. From the source tree run: "
+            "pip install --no-build-isolation ."
+        ) from None
+    if torch.__version__ != config.TORCH_VERSION:
+        raise ImportError(
+            f"mpfused was built against torch {config.TORCH_VERSION}, but torch {torch.__version__} is "
+            "installed. torch's C++ ABI differs between releases, so the extension must be rebuilt "
+            f"against the installed torch: {_REBUILD}"
+        )
+    try:
+        return importlib.import_module("mpfused._C")
+    except ImportError as e:
+        if "undefined symbol" in str(e) or "symbol lookup" in str(e):
+            raise ImportError(
+                f"mpfused._C does not match the installed torch {torch.__version__} ({e}). "
+                f"Rebuild it: {_REBUILD}"
+            ) from e
+        raise
+
+
+_C = _load_native()
+
+
+def build_info() -> dict:
+    """What the extension was compiled with: version, torch version, CUDA version and arch list
+    (None in a CPU-only build) and whether OpenMP parallelises the CPU kernels."""
+    return dict(_C.build_info())
+
+
+def has_cuda_kernels() -> bool:
+    return _C.build_info()["cuda_version"] is not None
+
+
+def overflow_limits(device_type: str) -> dict:
+    """Chunk size and per-launch capacities (tensors, chunks) of the overflow reduction on
+    ``device_type`` ("cpu" or "cuda")."""
+    return dict(_C.overflow_limits()[device_type])
+
+
+def _tensor_list(tensors, name: str) -> list:
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got a single tensor; wrap it: [t]")
+    try:
+        out = list(tensors)
+    except TypeError:
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}") from None
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+    return out
+
+
+def non_finite_check_(
+    tensors: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: Optional[torch.Tensor] = None,
+    *,
+    unscale: bool = False,
+    sumsq: Optional[torch.Tensor] = None,
+) -> None:
+    """Checks every element of every tensor for inf/NaN in one pass (one launch per list on CUDA).
+
+    - ``found_inf`` (float32, one element): set to 1.0 when any element is inf or NaN; a flag that is
+      already set stays set. Consumers should test ``found_inf != 0``.
+    - ``inv_scale`` (float32, one element, optional): values are multiplied by it, in FP32.
+    - ``unscale=True``: the products are written back in place, rounded to each tensor's dtype (the
+      same bits as ``(t.float() * inv_scale).to(t.dtype)``). Needs ``inv_scale``.
+    - ``sumsq`` (float32, one element, optional): receives ``+=`` the FP32 sum of squares of the
+      (unscaled) values, for global-norm clipping.
+
+    Tensors may be float32, float16 and bfloat16 in one list; they must be contiguous and on the device
+    of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
+    Never synchronises the host with the device.
+    """
+    _C.non_finite_check_(_tensor_list(tensors, "tensors"), found_inf, inv_scale, bool(unscale), sumsq)

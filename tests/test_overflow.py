@@ -1,0 +1,286 @@
+"""The multi-tensor overflow reduction against plain torch references."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpfused
+from mpfused._ops import overflow_limits
+from conftest import requires_cuda
+from tolerances import SUMSQ_RTOL
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def flag(device, value=0.0):
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def ref_sumsq(tensors, inv_scale=1.0):
+    return sum(float((t.double() * inv_scale).square().sum()) for t in tensors)
+
+
+def assert_bitwise_equal(actual, expected):
+    """Bitwise equality for every non-NaN element; NaN exactly where the reference has NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a_nan, e_nan = actual.isnan(), expected.isnan()
+    assert torch.equal(a_nan, e_nan)
+    view = INT_VIEW[actual.dtype]
+    assert torch.equal(actual[~a_nan].view(view), expected[~e_nan].view(view))
+
+
+# ---- detection --------------------------------------------------------------------------------------
+def boundary_positions(numel, chunk):
+    positions = {0, numel - 1}
+    for k in range(chunk, numel, chunk):
+        positions |= {k - 1, k}
+    return sorted(positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "+inf", "-inf"])
+def test_detects_at_first_last_and_both_sides_of_every_chunk_boundary(device, dtype, bad):
+    chunk = overflow_limits(device)["chunk_size"]
+    numel = 3 * chunk + 17
+    clean = torch.randn(numel, device=device).to(dtype)
+    positions = boundary_positions(numel, chunk)
+    assert len(positions) == 8
+    for pos in positions:
+        t = clean.clone()
+        t[pos] = bad
+        found = flag(device)
+        mpfused.non_finite_check_([torch.randn(5, device=device).to(dtype), t], found)
+        assert found.item() == 1.0, f"{bad} at {pos} of {numel} not found"
+    found = flag(device)
+    mpfused.non_finite_check_([clean], found)
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_largest_finite_values_are_not_flagged(device, dtype):
+    info = torch.finfo(dtype)
+    t = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, 0.0, -0.0], dtype=dtype, device=device)
+    if dtype != torch.bfloat16:
+        t = torch.cat([t, torch.tensor([info.smallest_normal / 4], dtype=dtype, device=device)])  # subnormal
+    found = flag(device)
+    mpfused.non_finite_check_([t], found)
+    assert found.item() == 0.0
+
+
+def test_flag_already_set_stays_set(device):
+    clean = [torch.randn(1000, device=device)]
+    for initial in (1.0, 2.0):
+        found = flag(device, initial)
+        mpfused.non_finite_check_(clean, found)
+        assert found.item() == initial
+
+
+def test_bad_tensor_in_a_later_launch_of_a_long_list(device):
+    lim = overflow_limits(device)
+    n = min(lim["max_tensors"], 1000) * 2 + 3  # beyond one launch's tensor capacity on CUDA
+    tensors = [torch.randn(37 + i % 5, device=device, dtype=DTYPES[i % 3]) for i in range(n)]
+    found = flag(device)
+    mpfused.non_finite_check_(tensors, found)
+    assert found.item() == 0.0
+    tensors[-2][-1] = float("inf")
+    mpfused.non_finite_check_(tensors, found)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_list_beyond_one_launchs_chunk_capacity(device, dtype):
+    lim = overflow_limits(device)
+    chunk = lim["chunk_size"]
+    # On CUDA: more chunks than one launch holds. On the CPU (no such limit): 40 chunks.
+    items = lim["max_items"] + 7 if device == "cuda" else 40
+    tensors = [torch.randn(chunk + 1, device=device).to(dtype) for _ in range((items + 1) // 2)]
+    tensors[-1][chunk] = float("nan")  # the last element of the last chunk of the last launch
+    found, sumsq = flag(device), flag(device)
+    mpfused.non_finite_check_(tensors[:-1], found, sumsq=sumsq)
+    assert found.item() == 0.0
+    assert sumsq.item() == pytest.approx(ref_sumsq(tensors[:-1]), rel=SUMSQ_RTOL[dtype])
+    mpfused.non_finite_check_(tensors, found)
+    assert found.item() == 1.0
+
+
+# ---- sum of squares ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sumsq_matches_float64(device, dtype):
+    torch.manual_seed(0)
+    tensors = [(torch.randn(n, device=device) * s).to(dtype) for n, s in [(1, 3.0), (1000, 1e-3), (70001, 1.0), (200000, 20.0)]]
+    found, sumsq = flag(device), flag(device)
+    mpfused.non_finite_check_(tensors, found, sumsq=sumsq)
+    assert found.item() == 0.0
+    assert sumsq.item() == pytest.approx(ref_sumsq(tensors), rel=SUMSQ_RTOL[dtype])
+
+
+def test_sumsq_mixed_dtypes_with_inv_scale_accumulates(device):
+    torch.manual_seed(1)
+    tensors = [torch.randn(3000 + i, device=device).to(DTYPES[i % 3]) * 512 for i in range(9)]
+    inv = torch.tensor([1.0 / 512], device=device)
+    found, sumsq = flag(device), flag(device, 5.0)  # sumsq is accumulated into
+    mpfused.non_finite_check_(tensors, found, inv, sumsq=sumsq)
+    expected = 5.0 + ref_sumsq(tensors, 1.0 / 512)
+    assert sumsq.item() == pytest.approx(expected, rel=SUMSQ_RTOL[torch.float32])
+    assert all(t.abs().max() > 10 for t in tensors), "the tensors themselves must not be unscaled"
+
+
+def test_sumsq_of_unscaled_values_does_not_overflow(device):
+    # Scaled FP32 gradients whose squares overflow FP32: the norm of the unscaled values is finite.
+    t = torch.full((4096,), 1e30, device=device)
+    found, sumsq = flag(device), flag(device)
+    mpfused.non_finite_check_([t], found, torch.tensor([1e-20], device=device), sumsq=sumsq)
+    assert found.item() == 0.0
+    assert sumsq.item() == pytest.approx(4096 * 1e20, rel=1e-5)
+
+
+def test_sumsq_is_deterministic_across_thread_counts():
+    torch.manual_seed(2)
+    tensors = [torch.randn(300_000).half(), torch.randn(123_457), torch.randn(99_999).bfloat16()]
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            s = flag("cpu")
+            mpfused.non_finite_check_(tensors, flag("cpu"), sumsq=s)
+            results.append(s.item())
+    finally:
+        torch.set_num_threads(old)
+    assert results[0] == results[1] == results[2]
+
+
+# ---- unscale ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inv_scale", [1.0 / 65536, 1.0 / 3, 2.0**-30, 1000.0])
+def test_unscale_is_bitwise_torchs_multiply(device, dtype, inv_scale):
+    torch.manual_seed(3)
+    t = (torch.randn(100_003, device=device) * 300).to(dtype)
+    t[::1001] = torch.finfo(dtype).max / 2  # overflow to inf for inv_scale > 2 in FP16
+    inv = torch.tensor([inv_scale], device=device)
+    expected = (t.float() * inv).to(dtype)
+    found = flag(device)
+    mpfused.non_finite_check_([t], found, inv, unscale=True)
+    assert_bitwise_equal(t, expected)
+    assert found.item() == 0.0  # the check is on the values before unscaling
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unscale_matches_torch_amp_kernel_with_non_finite_values(device, dtype):
+    torch.manual_seed(4)
+    grads = [(torch.randn(n, device=device) * 1000).to(dtype) for n in (10, 65536, 65537, 200_000)]
+    grads[2][65536] = float("nan")
+    grads[3][7] = float("-inf")
+    expected = [g.clone() for g in grads]
+    inv = torch.tensor([1.0 / 1024], device=device)
+    ref_found = flag(device)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, ref_found, inv)
+    found = flag(device)
+    mpfused.non_finite_check_(grads, found, inv, unscale=True)
+    assert found.item() == ref_found.item() == 1.0
+    for g, e in zip(grads, expected):
+        assert_bitwise_equal(g, e)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 140_000), min_size=0, max_size=6),
+    dtype_ids=st.lists(st.integers(0, 2), min_size=6, max_size=6),
+    log2_inv=st.integers(-24, 4),
+    bad_at=st.one_of(st.none(), st.tuples(st.integers(0, 5), st.floats(0, 1), st.sampled_from(BAD_VALUES))),
+)
+def test_property_against_torch_reference(sizes, dtype_ids, log2_inv, bad_at):
+    gen = torch.Generator().manual_seed(len(sizes) * 7919 + log2_inv)
+    tensors = [(torch.randn(n, generator=gen) * 4096).to(DTYPES[d]) for n, d in zip(sizes, dtype_ids)]
+    expect_bad = False
+    if bad_at is not None and tensors:
+        t = tensors[bad_at[0] % len(tensors)]
+        if t.numel():
+            t[min(int(bad_at[1] * t.numel()), t.numel() - 1)] = bad_at[2]
+            expect_bad = True
+    inv_scale = 2.0**log2_inv
+    expected_sumsq = ref_sumsq(tensors, inv_scale)
+    expected = [(t.float() * inv_scale).to(t.dtype) for t in tensors]
+    found, sumsq = flag("cpu"), flag("cpu")
+    mpfused.non_finite_check_(tensors, found, torch.tensor([inv_scale]), unscale=True, sumsq=sumsq)
+    assert found.item() == float(expect_bad)
+    if not expect_bad:
+        assert sumsq.item() == pytest.approx(expected_sumsq, rel=SUMSQ_RTOL[torch.float32], abs=1e-30)
+    else:
+        assert not math.isfinite(sumsq.item())
+    for t, e in zip(tensors, expected):
+        assert_bitwise_equal(t, e)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+def test_empty_list_and_empty_tensors_are_no_ops(device):
+    found, sumsq = flag(device), flag(device, 3.0)
+    mpfused.non_finite_check_([], found, sumsq=sumsq)
+    mpfused.non_finite_check_([torch.empty(0, device=device), torch.empty(0, 5, device=device).half()], found, sumsq=sumsq)
+    assert found.item() == 0.0 and sumsq.item() == 3.0
+
+
+def _bad_calls(device):
+    good = torch.randn(8, device=device)
+    f = flag(device)
+    return [
+        (lambda: mpfused.non_finite_check_([good, torch.randn(8, 2, device=device).t()], f), r"tensors\[1\] must be contiguous"),
+        (lambda: mpfused.non_finite_check_([good, torch.arange(4, device=device)], f), r"tensors\[1\] must be a float32, float16 or bfloat16"),
+        (lambda: mpfused.non_finite_check_([torch.randn(4, dtype=torch.complex64, device=device)], f), r"tensors\[0\] must be a float32"),
+        (lambda: mpfused.non_finite_check_([good, torch.randn(4, dtype=torch.float64, device=device)], f), r"tensors\[1\] must be a float32"),
+        (lambda: mpfused.non_finite_check_([good.to_sparse()], f), r"tensors\[0\] must be a dense"),
+        (lambda: mpfused.non_finite_check_([good, torch.empty(3, device="meta")], f), r"tensors\[1\] is on meta but found_inf is on"),
+        (lambda: mpfused.non_finite_check_([good], torch.zeros(1, dtype=torch.float16, device=device)), r"found_inf must be a float32 tensor with one element"),
+        (lambda: mpfused.non_finite_check_([good], torch.zeros(2, device=device)), r"found_inf must be a float32 tensor with one element"),
+        (lambda: mpfused.non_finite_check_([good], f, torch.ones(1, device="meta")), r"inv_scale must be on"),
+        (lambda: mpfused.non_finite_check_([good], f, sumsq=torch.zeros((), dtype=torch.float64, device=device)), r"sumsq must be a float32"),
+        (lambda: mpfused.non_finite_check_([good], f, unscale=True), r"unscale=True needs inv_scale"),
+    ]
+
+
+def test_bad_input_raises_a_clear_error_naming_the_argument(device):
+    for call, message in _bad_calls(device):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_a_call_that_fails_writes_nothing(device):
+    grads = [torch.full((100,), 1024.0, device=device), torch.full((10,), float("nan"), device=device).half()]
+    before = [g.clone() for g in grads]
+    found, sumsq = flag(device), flag(device)
+    bad_last = torch.randn(4, 4, device=device).t()  # non-contiguous, after tensors that would be written
+    with pytest.raises(ValueError, match=r"tensors\[2\]"):
+        mpfused.non_finite_check_(grads + [bad_last], found, torch.tensor([0.5], device=device), unscale=True, sumsq=sumsq)
+    assert found.item() == 0.0 and sumsq.item() == 0.0
+    for g, b in zip(grads, before):
+        assert torch.equal(g.isnan(), b.isnan()) and torch.equal(g.nan_to_num(), b.nan_to_num())
+
+
+def test_wrong_python_types_are_rejected():
+    with pytest.raises(TypeError, match="list or tuple of tensors, got a single tensor"):
+        mpfused.non_finite_check_(torch.zeros(3), flag("cpu"))
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a tensor"):
+        mpfused.non_finite_check_([torch.zeros(3), 3.0], flag("cpu"))
+
+
+# ---- CUDA-only properties (skipped without a GPU) ------------------------------------------------------
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_no_host_sync_and_one_launch_per_list():
+    tensors = [torch.randn(1000 + i, device="cuda").to(DTYPES[i % 3]) for i in range(200)]
+    found, sumsq, inv = flag("cuda"), flag("cuda"), torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            mpfused.non_finite_check_(tensors, found, inv, unscale=True, sumsq=sumsq)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "overflow_kernel" in e.name]
+    assert len(kernels) == 1, [e.name for e in kernels]
