@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""SASS and resource check of the compiled CUDA kernels, no GPU needed.
+
+For every kernel and every arch in the binary: registers, shared memory, local memory and stack (from
+`cuobjdump -res-usage`), and the machine code itself (`cuobjdump -sass`). Fails when
+  - an expected arch has no machine code (SASS) in the binary;
+  - a kernel uses local memory or spills (LDL/STL instructions, LOCAL > 0);
+  - a kernel lacks an instruction its rule requires (e.g. 128-bit loads in the memory-bound kernels,
+    HMMA with FP32 accumulation in the tensor-core GEMM).
+
+cuobjdump and nvdisasm come from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) or the CUDA
+toolkit. Usage: check_sass.py LIB.so [--archs 75,80,86,89,90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# kernel-name pattern -> (description, SASS regex) that every arch's code of that kernel must contain.
+RULES: list[tuple[str, str, str]] = [
+    (r"overflow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b"),
+]
+DEFAULT_ARCHS = "75,80,86,89,90"
+
+
+@dataclass
+class Kernel:
+    arch: str
+    name: str
+    regs: int = 0
+    shared: int = 0
+    local: int = 0
+    stack: int = 0
+    sass: list[str] = field(default_factory=list)
+
+
+def find_tool(name: str) -> str:
+    candidates = [shutil.which(name)]
+    for base in {sys.prefix, os.path.dirname(os.path.dirname(sys.executable))}:
+        candidates += [str(p) for p in Path(base).glob(f"lib/python3*/site-packages/nvidia/*/bin/{name}")]
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates.append(os.path.join(cuda_home, "bin", name))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    sys.exit(f"check_sass: {name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+
+
+def run(cmd: list[str], env: dict) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"check_sass: {' '.join(cmd)} failed:\n{out.stderr}")
+    return out.stdout
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return {n: n for n in names}
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def short(name: str) -> str:
+    name = re.sub(r"\(anonymous namespace\)::|mpf::", "", name)
+    return re.sub(r"\(.*\)$", "", name)  # drop the parameter list
+
+
+def parse(lib: str, cuobjdump: str, env: dict) -> dict[tuple[str, str], Kernel]:
+    kernels: dict[tuple[str, str], Kernel] = {}
+    arch = None
+    current = None
+    for line in run([cuobjdump, "-res-usage", "-elf", lib], env).splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = m.group(1)
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", line)
+        if m and current and arch:
+            k = kernels.setdefault((arch, current), Kernel(arch, current))
+            k.regs, k.stack, k.shared, k.local = map(int, m.groups())
+    arch = None
+    for line in run([cuobjdump, "-sass", lib], env).splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = m.group(1)
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            kernels.setdefault((arch, current), Kernel(arch, current))
+            continue
+        if current and arch and re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
+            kernels[(arch, current)].sass.append(line)
+    return kernels
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("libs", nargs="+")
+    ap.add_argument("--archs", default=DEFAULT_ARCHS, help="comma-separated SM versions that must have SASS")
+    args = ap.parse_args()
+    cuobjdump = find_tool("cuobjdump")
+    nvdisasm = find_tool("nvdisasm")
+    env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+
+    errors: list[str] = []
+    rows = []
+    for lib in args.libs:
+        kernels = parse(lib, cuobjdump, env)
+        names = demangle(sorted({k.name for k in kernels.values()}))
+        found_archs = {k.arch for k in kernels.values() if k.sass}
+        for a in args.archs.split(","):
+            if a.strip() not in found_archs:
+                errors.append(f"{lib}: no SASS for sm_{a.strip()}")
+        for (arch, _), k in sorted(kernels.items()):
+            name = short(names[k.name])
+            local_ops = sum(1 for ln in k.sass if re.search(r"\b(LDL|STL)\b", ln))
+            status = []
+            if k.local or local_ops:
+                errors.append(f"sm_{arch} {name}: local memory {k.local} B, {local_ops} LDL/STL (spills)")
+                status.append("SPILLS")
+            for pattern, what, sass_re in RULES:
+                if re.search(pattern, k.name) or re.search(pattern, name):
+                    if not any(re.search(sass_re, ln) for ln in k.sass):
+                        errors.append(f"sm_{arch} {name}: no {what} ({sass_re})")
+                        status.append(f"NO {what}")
+                    else:
+                        status.append(what)
+            rows.append((f"sm_{arch}", name, k.regs, k.shared, k.local, k.stack, len(k.sass), ", ".join(status) or "-"))
+
+    header = ("arch", "kernel", "regs", "smem", "local", "stack", "instrs", "checks")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    if not rows:
+        errors.append("no kernels found")
+    if errors:
+        print("\nSASS check FAILED:")
+        for e in errors:
+            print("  " + e)
+        return 1
+    print(f"\nSASS check passed: {len(rows)} kernel/arch pairs, no spills, every rule satisfied.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

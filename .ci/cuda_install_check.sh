@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The real GPU user's install path, proven on a machine without a GPU:
+#   a venv with the CUDA-enabled torch from PyPI, then `pip install --no-build-isolation .`
+#   (nvcc builds the CUDA kernels for every arch), then import the installed package and assert that
+#   build_info() reports CUDA. The CPU tests then run against that installed CUDA build.
+# It also proves the ABI guard: the source tree's own extension (built by `make test` against the CPU
+# torch) must refuse to load under this other torch with a clear message.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+VENV=${MPFUSED_CUDA_VENV:-$ROOT/.venv-cuda}
+CUDA_TORCH_SPEC=${CUDA_TORCH_SPEC:-torch==2.14.1}
+JOBS=${JOBS:-$(nproc)}
+
+command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || { echo "cuda_install_check: no nvcc and no CUDA_HOME" >&2; exit 1; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis
+"$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+# Build from a copy of the tree, so that the source tree's in-place CPU build is left alone.
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
+    --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
+(cd "$WORK" && MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --progress-bar off .)
+
+# Import the *installed* package (from outside the source tree) and check what it was built with.
+cd "$WORK/tests"
+"$VENV/bin/python" - <<'EOF'
+import torch, mpfused
+info = mpfused.build_info()
+print("installed mpfused:", info)
+assert mpfused.__file__.find("site-packages") >= 0, mpfused.__file__
+assert info["cuda_version"] is not None, "the CUDA build reports no CUDA"
+assert info["torch_version"] == torch.__version__, info
+assert info["cuda_arch_list"], info
+assert info["cuda_version"].split(".")[0] == torch.version.cuda.split(".")[0], (info, torch.version.cuda)
+EOF
+"$VENV/bin/python" -m mpfused
+# The CPU tests against the installed CUDA build (CUDA cases skip: no GPU here).
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$WORK/tests"
+
+# The ABI guard: the source tree's extension was built against another torch.
+if ls "$ROOT"/mpfused/_C*.so >/dev/null 2>&1; then
+  cd "$ROOT"
+  if out=$("$VENV/bin/python" -c "import mpfused" 2>&1); then
+    echo "cuda_install_check: the source tree's extension loaded under a different torch" >&2
+    exit 1
+  fi
+  echo "$out" | grep -q "was built against torch" || { echo "unclear ABI error: $out" >&2; exit 1; }
+  echo "ABI guard: OK ($(echo "$out" | tail -1 | cut -c1-160)...)"
+fi
+echo "cuda_install_check: OK"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything that needs a GPU, on a machine whose python already has a CUDA torch
+# (nothing is downloaded). Builds the CUDA extension in place, runs the whole test suite with the CUDA
+# cases enabled, runs compute-sanitizer (memcheck, racecheck) over the CUDA tests of the kernels, and
+# runs the benchmarks, writing their JSON under benchmarks/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a visible CUDA device'"
+MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace
+"$PY" -m mpfused
+"$PY" -c "import mpfused; assert mpfused.has_cuda_kernels(), 'the extension was built without CUDA'"
+
+echo "== pytest (cpu and cuda)"
+"$PY" -m pytest -q tests
+
+SANITIZER=${COMPUTE_SANITIZER:-compute-sanitizer}
+if command -v "$SANITIZER" >/dev/null; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    "$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes all \
+      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py
+  done
+else
+  echo "gpu-check: compute-sanitizer not found" >&2
+  exit 1
+fi
+
+echo "== benchmarks"
+for bench in benchmarks/bench_*.py; do
+  "$PY" "$bench" --device cuda --json
+done
+echo "gpu-check: OK; results in benchmarks/results/"
