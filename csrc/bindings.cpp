@@ -158,6 +158,13 @@ pybind11::dict overflow_limits() {
   return d;
 }
 
+// How many launches the overflow reduction makes for tensors of these sizes on `device_type`.
+int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::string& device_type) {
+  if (device_type != "cpu" && device_type != "cuda") fail("device_type must be 'cpu' or 'cuda', got '" + device_type + "'");
+  const mpf::PlanLimits& lim = device_type == "cpu" ? mpf::kCpuOverflowLimits : mpf::kCudaOverflowLimits;
+  return static_cast<int64_t>(mpf::plan_multi_tensor(numel.data(), static_cast<int64_t>(numel.size()), lim).size());
+}
+
 pybind11::dict build_info() {
   pybind11::dict d;
   d["version"] = MPFUSED_VERSION;
@@ -184,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mpfused native kernels (see mpfused._ops for the typed Python wrappers)";
   m.def("build_info", &build_info, "What this extension was compiled with.");
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
+  m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
+        "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("non_finite_check_", &non_finite_check_, pybind11::arg("tensors"), pybind11::arg("found_inf"),
         pybind11::arg("inv_scale") = pybind11::none(), pybind11::arg("unscale") = false,
         pybind11::arg("sumsq") = pybind11::none(),

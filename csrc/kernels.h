@@ -39,7 +39,7 @@ struct OverflowArgs {
 // Work split: chunk sizes and per-launch capacities. The CUDA limits follow from the 32 KB kernel
 // parameter space (CUDA >= 12.1): see cuda/overflow.cu, which static_asserts that they fit.
 constexpr PlanLimits kCpuOverflowLimits{int64_t{1} << 16, INT32_MAX, INT32_MAX};
-constexpr PlanLimits kCudaOverflowLimits{int64_t{1} << 16, 256, 5600};
+constexpr PlanLimits kCudaOverflowLimits{int64_t{1} << 16, 1024, int64_t{1} << 30};
 
 void overflow_check_cpu(const OverflowArgs& args, int num_threads);
 

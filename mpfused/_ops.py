@@ -59,6 +59,11 @@ def overflow_limits(device_type: str) -> dict:
     return dict(_C.overflow_limits()[device_type])
 
 
+def overflow_planned_launches(numel: Sequence[int], device_type: str) -> int:
+    """Kernel launches the overflow reduction makes for tensors of these sizes (the C++ plan itself)."""
+    return int(_C.overflow_planned_launches([int(n) for n in numel], device_type))
+
+
 def _tensor_list(tensors, name: str) -> list:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{name} must be a list or tuple of tensors, got a single tensor; wrap it: [t]")

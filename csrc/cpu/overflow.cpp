@@ -2,6 +2,7 @@
 // the same plan the CUDA backend uses, in parallel over chunks. The sum of squares is reduced per
 // chunk and the chunk partials are added in plan order, so the result does not depend on the number
 // of threads.
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 #include <vector>

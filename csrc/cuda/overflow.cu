@@ -1,9 +1,10 @@
 // CUDA backend of the multi-tensor overflow reduction.
 //
-// One launch covers a whole list of tensors of mixed dtypes (up to kMaxTensors tensors and kMaxItems
-// chunks, what fits in the 32 KB parameter space of CUDA >= 12.1); a longer list is split on the host
-// by core/multi_tensor_plan.h. Each block owns one (tensor, chunk) work item and reads it with 16-byte
-// loads when the data is aligned. The dtype is looked up per block, so the branch is uniform.
+// One launch covers a whole list of tensors of mixed dtypes and any sizes (up to kMaxTensors tensors,
+// what fits in the 32 KB parameter space of CUDA >= 12.1); a longer list is split on the host by
+// core/multi_tensor_plan.h. Each block owns one (tensor, chunk) work item, found by a binary search of
+// its block index in the launch's per-tensor prefix of first blocks (cuda/multi_tensor.cuh), and reads
+// it with 16-byte loads when the data is aligned. The dtype is per tensor, so the branch is uniform.
 //
 // Sum of squares: each block writes its partial to scratch; the last block to finish (a counter
 // incremented after a fence; the counters are zeroed by a memset before the launches) adds the partials
@@ -15,6 +16,7 @@
 #include "../core/overflow.h"
 #include "../kernels.h"
 #include "common.cuh"
+#include "multi_tensor.cuh"
 
 namespace mpf {
 namespace {
@@ -22,17 +24,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int kMaxTensors = static_cast<int>(kCudaOverflowLimits.max_tensors);
-constexpr int kMaxItems = static_cast<int>(kCudaOverflowLimits.max_items);
 constexpr int64_t kChunk = kCudaOverflowLimits.chunk_size;
 
 struct OverflowLaunch {
   void* ptr[kMaxTensors];
   int64_t numel[kMaxTensors];
-  int32_t item_chunk[kMaxItems];
+  WorkIndex<kMaxTensors> work;
   uint8_t dtype[kMaxTensors];
-  uint8_t item_slot[kMaxItems];
 };
-static_assert(kMaxTensors <= 256, "item_slot is a uint8_t");
 static_assert(kChunk % 8 == 0, "chunks must keep 16-byte alignment of 2-byte data");
 // 32764 bytes is the CUDA >= 12.1 limit for all kernel parameters together; the five pointers follow.
 static_assert(sizeof(OverflowLaunch) + 5 * sizeof(void*) <= 32764, "launch arguments exceed 32 KB");
@@ -68,12 +67,15 @@ __device__ __forceinline__ void process_chunk(void* base, int64_t n, float inv_s
   for (int64_t i = head + threadIdx.x; i < n; i += kThreads) overflow_step<D, Mode>(p[i], inv_scale, bad, acc);
 }
 
+// At least 2 blocks per SM: lets ptxas use up to 128 registers (without it, sm_75 capped the kernel at
+// 64 and spilled).
 template <class Mode>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     overflow_kernel(const __grid_constant__ OverflowLaunch args, float* found_inf, const float* inv_scale_ptr,
                     float* sumsq, float* partials, unsigned int* counter) {
-  const int slot = args.item_slot[blockIdx.x];
-  const int64_t begin = int64_t{args.item_chunk[blockIdx.x]} * kChunk;
+  const WorkItem item = args.work.find(blockIdx.x);
+  const int slot = item.slot;
+  const int64_t begin = item.chunk * kChunk;
   const int64_t numel = args.numel[slot];
   const int64_t n = numel - begin < kChunk ? numel - begin : kChunk;
   const float inv_scale = Mode::kScale ? *inv_scale_ptr : 1.f;
@@ -140,11 +142,7 @@ void overflow_check_cuda(const OverflowArgs& a, const ScratchAllocator& scratch,
       args.numel[s] = t.numel;
       args.dtype[s] = static_cast<uint8_t>(t.dtype);
     }
-    const int items = static_cast<int>(launch.items.size());
-    for (int i = 0; i < items; ++i) {
-      args.item_slot[i] = static_cast<uint8_t>(launch.items[i].slot);
-      args.item_chunk[i] = launch.items[i].chunk;
-    }
+    const int items = args.work.fill(launch);
     float* launch_partials = partials ? partials + item_offset : nullptr;
     unsigned int* launch_counter = counters ? counters + l : nullptr;
     dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
