@@ -110,7 +110,9 @@ def make_extension(version: str):
     ]
     # No -std flag: torch's build helper picks the standard its headers need (C++20 from torch 2.14).
     # The torch-free kernels are C++17 and compile under either.
-    cxx = ["-O3", *openmp_flags(), *define]
+    # -ffp-contract=off: core/optim.h's explicitly rounded FP32 operations must not be fused into FMAs
+    # (the AVX2+FMA code path would otherwise round differently from the CUDA kernels).
+    cxx = ["-O3", "-ffp-contract=off", *openmp_flags(), *define]
     ldflags = openmp_flags()
     if not cuda:
         record_build_config(version, False, None)
@@ -122,7 +124,7 @@ def make_extension(version: str):
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list  # torch turns it into -gencode flags
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
     cuda_define = ["-DMPFUSED_WITH_CUDA", f'-DMPFUSED_CUDA_ARCH_LIST="{arch_list}"']
-    nvcc = ["-O3", "-lineinfo", *define, *cuda_define]
+    nvcc = ["-O3", "-lineinfo", "-Xcompiler=-ffp-contract=off", *define, *cuda_define]
     record_build_config(version, True, arch_list)
     print(f"mpfused: building the CUDA extension for {arch_list} with {cpp_extension.CUDA_HOME}")
     return cpp_extension.CUDAExtension(

@@ -10,6 +10,7 @@
 
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
+#include "core/optim.h"
 
 namespace mpf {
 
@@ -43,8 +44,43 @@ constexpr PlanLimits kCudaOverflowLimits{int64_t{1} << 16, 1024, int64_t{1} << 3
 
 void overflow_check_cpu(const OverflowArgs& args, int num_threads);
 
+// ---- fused optimizer step: unscale + inf-skip + update of FP32 masters + low-precision copy -------
+enum class OptimKind : int32_t { kAdam = 0, kSgd = 1 };
+
+struct OptimTensor {
+  void* param;        // the model's weight, FP32/FP16/BF16: written (rounded from the FP32 result)
+  const void* grad;   // read only, same dtype and numel as param
+  float* master;      // FP32 master weight, or nullptr: then param is read, updated in FP32, written back
+  float* state0;      // Adam: exp_avg; SGD: momentum_buffer (nullptr without momentum)
+  float* state1;      // Adam: exp_avg_sq
+  float* state2;      // Adam with amsgrad: max_exp_avg_sq
+  float* step;        // one float: steps taken so far, += 1 when this step is taken (SGD: may be null
+                      // without momentum; with momentum, step == 0 means the buffer is not yet set)
+  int64_t numel;
+  DType dtype;        // of param and grad
+};
+
+struct OptimArgs {
+  OptimKind kind;
+  const OptimTensor* tensors;  // one device, one param group
+  int64_t num_tensors;
+  double lr;                   // used when lr_ptr is null
+  const float* lr_ptr;         // nullptr, or one float on the device: the learning rate
+  AdamHyper adam;
+  SgdHyper sgd;
+  const float* inv_scale;      // nullptr, or one float: gradients are multiplied by it
+  const float* clip_coef;      // nullptr, or one float: then also multiplied by it
+  const float* found_inf;      // nullptr, or one float: != 0 skips the whole step (nothing is written)
+};
+
+constexpr PlanLimits kCpuOptimLimits{int64_t{1} << 14, INT32_MAX, INT32_MAX};
+constexpr PlanLimits kCudaOptimLimits{int64_t{1} << 16, 384, int64_t{1} << 30};
+
+void optim_step_cpu(const OptimArgs& args, int num_threads);
+
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
+void optim_step_cuda(const OptimArgs& args, void* stream);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

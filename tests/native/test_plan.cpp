@@ -57,7 +57,7 @@ void verify(const std::vector<int64_t>& numel, const PlanLimits& lim, const char
 }  // namespace
 
 int main() {
-  const PlanLimits cuda = mpf::kCudaOverflowLimits;
+  const PlanLimits cuda = mpf::kCudaOverflowLimits;  // 1024 tensors, 2^30 chunks per launch
   const PlanLimits cpu = mpf::kCpuOverflowLimits;
   const PlanLimits tiny{7, 3, 5};
   const int64_t C = cuda.chunk_size;
@@ -69,9 +69,12 @@ int main() {
     verify({lim.chunk_size - 1, lim.chunk_size, lim.chunk_size + 1}, lim, "around one chunk");
     verify({0, 5, 0, 0, 9, 0}, lim, "empty tensors between others");
   }
-  // Exactly filling a launch's item capacity, and one chunk past it.
-  verify({cuda.max_items * C}, cuda, "one launch of items, exactly");
-  verify({cuda.max_items * C + 1}, cuda, "one chunk past a launch");
+  // Exactly filling a launch's item capacity, and one chunk past it (small limits: the CUDA launches'
+  // item capacity, 2^30 chunks, is far beyond what a test can materialise).
+  const PlanLimits items16{C, 64, 16};
+  verify({items16.max_items * C}, items16, "one launch of items, exactly");
+  verify({items16.max_items * C + 1}, items16, "one chunk past a launch");
+  verify({5, items16.max_items * C * 3 + 7, 9}, items16, "a tensor over four launches");
   verify(std::vector<int64_t>(cuda.max_tensors, 1), cuda, "tensor capacity, exactly");
   verify(std::vector<int64_t>(cuda.max_tensors * 3 + 1, 3), cuda, "tensor capacity x3 + 1");
   // A simulated 3e9-element tensor (int64 sizes and offsets) between small tensors.
@@ -95,8 +98,14 @@ int main() {
   }
 
   // The limits in kernels.h hold by construction; bad arguments are refused.
-  const auto plan = mpf::plan_multi_tensor(std::vector<int64_t>{C * cuda.max_items * 2}.data(), 1, cuda);
+  const auto plan = mpf::plan_multi_tensor(std::vector<int64_t>{C * items16.max_items * 2}.data(), 1, items16);
   CHECK(plan.size() == 2, "a tensor of two launches' items takes %zu launches", plan.size());
+  for (const PlanLimits& lim : {mpf::kCudaOverflowLimits, mpf::kCudaOptimLimits}) {
+    std::vector<int64_t> sizes(static_cast<size_t>(lim.max_tensors) + 1, 3);
+    CHECK(mpf::plan_multi_tensor(sizes.data(), static_cast<int64_t>(sizes.size()), lim).size() == 2,
+          "max_tensors + 1 tensors must take two launches");
+    CHECK(mpf::plan_multi_tensor(sizes.data(), lim.max_tensors, lim).size() == 1, "max_tensors tensors: one launch");
+  }
   bool threw = false;
   try {
     const int64_t bad[] = {5, -1};
