@@ -26,6 +26,7 @@ from pathlib import Path
 # kernel-name pattern -> (description, SASS regex) that every arch's code of that kernel must contain.
 RULES: list[tuple[str, str, str]] = [
     (r"overflow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b"),
+    (r"optim_kernel", "128-bit global loads", r"\bLDG\.E\.128\b"),
 ]
 DEFAULT_ARCHS = "75,80,86,89,90"
 
@@ -70,7 +71,13 @@ def demangle(names: list[str]) -> dict[str, str]:
 
 def short(name: str) -> str:
     name = re.sub(r"\(anonymous namespace\)::|mpf::", "", name)
-    return re.sub(r"\(.*\)$", "", name)  # drop the parameter list
+    if name.endswith(")"):  # drop the parameter list: the parenthesis group that closes the name
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                return name[:i]
+    return name
 
 
 def parse(lib: str, cuobjdump: str, env: dict) -> dict[tuple[str, str], Kernel]:

@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -142,6 +143,163 @@ void non_finite_check_(const std::vector<at::Tensor>& tensors, const at::Tensor&
 #endif
 }
 
+// ---- fused optimizer step -------------------------------------------------------------------------
+using TensorList = std::vector<at::Tensor>;
+using OptTensorList = std::vector<std::optional<at::Tensor>>;
+
+// A float32 contiguous tensor with `numel` elements on `device` (optimizer state, master weights).
+float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, int64_t numel) {
+  check_dense(t, name);
+  if (t.scalar_type() != at::kFloat) fail(name + " must be float32, got a " + describe(t));
+  if (t.device() != device) fail(name + " must be on " + device.str() + " like its param, got a " + describe(t));
+  if (t.numel() != numel) fail(name + " must have " + std::to_string(numel) + " elements like its param, got a " + describe(t));
+  if (!t.is_contiguous()) fail(name + " must be contiguous, got a strided view " + describe(t));
+  return t.data_ptr<float>();
+}
+
+const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& list_name, size_t n) {
+  if (list.empty()) return nullptr;
+  if (list.size() != n) fail(list_name + " must be empty or have one entry per param (" + std::to_string(n) + "), got " + std::to_string(list.size()));
+  return list[i] ? &*list[i] : nullptr;
+}
+
+// Validates one (device, dtype) group and fills OptimArgs; raises before anything is written.
+std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+                                            const OptTensorList& state0, const OptTensorList& state1,
+                                            const OptTensorList& state2, const OptTensorList& steps,
+                                            const char* s0_name, const char* s1_name, const char* s2_name,
+                                            bool need_s0, bool need_s1, bool need_s2, at::Device& device) {
+  const size_t n = params.size();
+  if (grads.size() != n) fail("grads must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(grads.size()));
+  std::vector<mpf::OptimTensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    check_dense(p, "params" + idx);
+    const DType d = storage_dtype(p, "params" + idx);
+    if (i == 0) {
+      device = p.device();
+      check_backend(device, "params[0]");
+    }
+    if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
+    if (!p.is_contiguous()) fail("params" + idx + " must be contiguous, got a strided view " + describe(p));
+    if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
+    if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
+    if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
+    if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
+    if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
+    if (!g.is_contiguous()) fail("grads" + idx + " must be contiguous, got a strided view " + describe(g));
+    const int64_t numel = p.numel();
+    mpf::OptimTensor t{p.data_ptr(), g.data_ptr(), nullptr, nullptr, nullptr, nullptr, nullptr, numel, d};
+    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, numel);
+    const at::Tensor* s0 = opt(state0, i, s0_name, n);
+    const at::Tensor* s1 = opt(state1, i, s1_name, n);
+    const at::Tensor* s2 = opt(state2, i, s2_name, n);
+    if (need_s0 && !s0) fail(std::string(s0_name) + idx + " is required");
+    if (need_s1 && !s1) fail(std::string(s1_name) + idx + " is required");
+    if (need_s2 && !s2) fail(std::string(s2_name) + idx + " is required");
+    if (s0) t.state0 = state_ptr(*s0, s0_name + idx, device, numel);
+    if (s1) t.state1 = state_ptr(*s1, s1_name + idx, device, numel);
+    if (s2) t.state2 = state_ptr(*s2, s2_name + idx, device, numel);
+    if (const at::Tensor* st = opt(steps, i, "steps", n)) {
+      check_scalar(*st, "steps" + idx, device);
+      t.step = st->data_ptr<float>();
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+void check_hyper(double v, const char* name, double lo, bool lo_open, double hi, bool hi_open) {
+  if (!std::isfinite(v) || v < lo || (lo_open && v == lo) || v > hi || (hi_open && v == hi)) {
+    std::ostringstream s;
+    s << "invalid " << name << ": " << v << " (expected a finite value in " << (lo_open ? "(" : "[") << lo << ", " << hi
+      << (hi_open ? ")" : "]") << ")";
+    fail(s.str());
+  }
+}
+
+void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& lr_tensor,
+                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
+                 const std::optional<at::Tensor>& found_inf, const at::Device& device) {
+  a.lr = lr;
+  if (lr_tensor) {
+    check_scalar(*lr_tensor, "lr", device);
+    a.lr_ptr = lr_tensor->data_ptr<float>();
+  } else {
+    check_hyper(lr, "lr", 0.0, false, INFINITY, false);
+  }
+  if (inv_scale) check_scalar(*inv_scale, "inv_scale", device);
+  if (clip_coef) check_scalar(*clip_coef, "clip_coef", device);
+  if (found_inf) check_scalar(*found_inf, "found_inf", device);
+  a.inv_scale = inv_scale ? inv_scale->data_ptr<float>() : nullptr;
+  a.clip_coef = clip_coef ? clip_coef->data_ptr<float>() : nullptr;
+  a.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+}
+
+void run_optim(const mpf::OptimArgs& a, const at::Device& device) {
+  if (device.is_cpu()) {
+    mpf::optim_step_cpu(a, at::get_num_threads());
+    return;
+  }
+#ifdef MPFUSED_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(device);
+  mpf::optim_step_cuda(a, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+}
+
+void adam_step_(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+                const OptTensorList& exp_avgs, const OptTensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
+                const OptTensorList& steps, double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
+                double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
+                const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
+                const std::optional<at::Tensor>& found_inf) {
+  check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
+  check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
+  check_hyper(eps, "eps", 0.0, false, INFINITY, false);
+  check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
+  if (params.empty()) return;
+  at::Device device(at::kCPU);
+  auto tensors = optim_tensors(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, "exp_avgs",
+                               "exp_avg_sqs", "max_exp_avg_sqs", true, true, amsgrad, device);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!tensors[i].step) fail("steps[" + std::to_string(i) + "] is required for Adam");
+  mpf::OptimArgs a{};
+  a.kind = mpf::OptimKind::kAdam;
+  a.tensors = tensors.data();
+  a.num_tensors = static_cast<int64_t>(tensors.size());
+  a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, found_inf, device);
+  run_optim(a, device);
+}
+
+void sgd_step_(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+               const OptTensorList& momentum_buffers, const OptTensorList& steps, double lr,
+               const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening, double weight_decay,
+               bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
+               const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& found_inf) {
+  check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
+  check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
+  check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
+  if (nesterov && (momentum <= 0.0 || dampening != 0.0)) fail("nesterov momentum requires a momentum and zero dampening");
+  if (params.empty()) return;
+  at::Device device(at::kCPU);
+  const OptTensorList none;
+  auto tensors = optim_tensors(params, grads, masters, momentum_buffers, none, none, steps, "momentum_buffers", "", "",
+                               momentum != 0.0, false, false, device);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (momentum != 0.0 && !tensors[i].step) fail("steps[" + std::to_string(i) + "] is required for SGD with momentum");
+  mpf::OptimArgs a{};
+  a.kind = mpf::OptimKind::kSgd;
+  a.tensors = tensors.data();
+  a.num_tensors = static_cast<int64_t>(tensors.size());
+  a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, found_inf, device);
+  run_optim(a, device);
+}
+
 pybind11::dict limits_dict(const mpf::PlanLimits& l) {
   pybind11::dict d;
   d["chunk_size"] = l.chunk_size;
@@ -193,6 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");
+  m.def("adam_step_", &adam_step_, "Fused Adam/AdamW step over one device's params (see mpfused._ops).");
+  m.def("sgd_step_", &sgd_step_, "Fused SGD step over one device's params (see mpfused._ops).");
   m.def("non_finite_check_", &non_finite_check_, pybind11::arg("tensors"), pybind11::arg("found_inf"),
         pybind11::arg("inv_scale") = pybind11::none(), pybind11::arg("unscale") = false,
         pybind11::arg("sumsq") = pybind11::none(),

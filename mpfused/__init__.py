@@ -1,7 +1,8 @@
 """mpfused: fused CUDA/C++ kernels for mixed-precision training in PyTorch."""
 
+from . import optim
 from ._ops import build_info, has_cuda_kernels, non_finite_check_
 
 __version__ = build_info()["version"]
 
-__all__ = ["__version__", "build_info", "has_cuda_kernels", "non_finite_check_"]
+__all__ = ["__version__", "optim", "build_info", "has_cuda_kernels", "non_finite_check_"]

@@ -100,3 +100,31 @@ def non_finite_check_(
     Never synchronises the host with the device.
     """
     _C.non_finite_check_(_tensor_list(tensors, "tensors"), found_inf, inv_scale, bool(unscale), sumsq)
+
+
+def _lr_args(lr):
+    if isinstance(lr, torch.Tensor):
+        return 0.0, lr
+    return float(lr), None
+
+
+def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+               weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, found_inf=None) -> None:
+    """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
+    gradient times ``inv_scale`` (and ``clip_coef``), the update of the FP32 weight (``masters[i]`` when
+    given, else the param itself) and FP32 moments, and the param stored in its dtype. When
+    ``found_inf`` != 0 nothing is written, steps included. ``lr`` is a float or a one-element float32
+    tensor on the device. Validates everything before writing anything."""
+    lr_value, lr_tensor = _lr_args(lr)
+    _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
+                  float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
+                  bool(decoupled), inv_scale, clip_coef, found_inf)
+
+
+def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
+              maximize, inv_scale=None, clip_coef=None, found_inf=None) -> None:
+    """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
+    never written (torch then sets it to the gradient itself)."""
+    lr_value, lr_tensor = _lr_args(lr)
+    _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
+                 float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef, found_inf)

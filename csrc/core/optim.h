@@ -86,7 +86,8 @@ MPF_HD AdamScalars adam_scalars(const AdamHyper& h, double lr, double step) {
 }
 
 // One element. p is the FP32 weight (the master copy when there is one), g the unscaled gradient.
-MPF_HD void adam_update(float& p, float& m, float& v, float* vmax, float g, const AdamHyper& h, const AdamScalars& c) {
+// vmax is read and written only with amsgrad. References, not pointers: kernels keep all in registers.
+MPF_HD void adam_update(float& p, float& m, float& v, float& vmax, float g, const AdamHyper& h, const AdamScalars& c) {
   if (h.maximize) g = -g;
   if (h.weight_decay != 0.0) {
     if (h.decoupled) p = fmul(p, c.decay);
@@ -96,8 +97,8 @@ MPF_HD void adam_update(float& p, float& m, float& v, float* vmax, float g, cons
   v = fadd(fmul(v, c.beta2), fmul(fmul(c.one_minus_beta2, g), g));
   float second = v;
   if (h.amsgrad) {
-    *vmax = *vmax > v ? *vmax : v;  // torch.maximum; NaN handling is moot: a NaN step is skipped
-    second = *vmax;
+    vmax = vmax > v ? vmax : v;  // torch.maximum; NaN handling is moot: a NaN step is skipped
+    second = vmax;
   }
   const float denom = fadd(fdiv(fsqrt(second), c.bc2_sqrt), c.eps);
   p = fadd(p, fdiv(fmul(c.neg_step_size, m), denom));
@@ -119,12 +120,13 @@ MPF_HD SgdScalars sgd_scalars(const SgdHyper& h, double lr) {
 }
 
 // first_step: the momentum buffer has never been written (torch then sets it to the gradient itself).
-MPF_HD void sgd_update(float& p, float* buf, float g, const SgdHyper& h, const SgdScalars& c, bool first_step) {
+// buf is read and written only with momentum.
+MPF_HD void sgd_update(float& p, float& buf, float g, const SgdHyper& h, const SgdScalars& c, bool first_step) {
   if (h.maximize) g = -g;
   if (h.weight_decay != 0.0) g = fadd(g, fmul(c.weight_decay, p));
   if (h.momentum != 0.0) {
-    const float b = first_step ? g : fadd(fmul(*buf, c.momentum), fmul(c.one_minus_dampening, g));
-    *buf = b;
+    const float b = first_step ? g : fadd(fmul(buf, c.momentum), fmul(c.one_minus_dampening, g));
+    buf = b;
     g = h.nesterov ? fadd(g, fmul(c.momentum, b)) : b;
   }
   p = fadd(p, fmul(c.neg_lr, g));

@@ -68,9 +68,9 @@ struct TensorScalars {
 };
 
 template <OptimKind K>
-__device__ __forceinline__ void update(float& p, float* s0, float* s1, float* s2, float g, const OptimConsts& c,
+__device__ __forceinline__ void update(float& p, float& s0, float& s1, float& s2, float g, const OptimConsts& c,
                                        const TensorScalars& ts) {
-  if constexpr (K == OptimKind::kAdam) adam_update(p, *s0, *s1, c.adam.amsgrad ? s2 : nullptr, g, c.adam, ts.adam);
+  if constexpr (K == OptimKind::kAdam) adam_update(p, s0, s1, s2, g, c.adam, ts.adam);
   else sgd_update(p, s0, g, c.sgd, ts.sgd, ts.first_step);
 }
 
@@ -86,8 +86,6 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   float* s0 = a.state0[slot] ? a.state0[slot] + begin : nullptr;
   float* s1 = a.state1[slot] ? a.state1[slot] + begin : nullptr;
   float* s2 = a.state2[slot] ? a.state2[slot] + begin : nullptr;
-  // SGD without momentum has no buffer; give the update a scratch slot so the code stays uniform.
-  float scratch[kVec] = {};
   const bool has_s0 = s0 != nullptr, has_s1 = s1 != nullptr, has_s2 = s2 != nullptr;
 
   const auto aligned = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; };
@@ -99,7 +97,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     head = n / kVec * kVec;
     for (int64_t i = int64_t{threadIdx.x} * kVec; i < head; i += int64_t{kThreads} * kVec) {
       const Pack<T, kVec> gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
-      Pack<float, kVec> pv, m0, m1, m2;
+      Pack<float, kVec> pv, m0 = {}, m1 = {}, m2 = {};  // absent state stays zero in registers, unused
       if (master) pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
       else {
         const Pack<T, kVec> raw = *reinterpret_cast<const Pack<T, kVec>*>(param + i);
@@ -112,7 +110,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float g = fmul(fmul(S::load(gv.v[e]), gmul), clip);
-        update<K>(pv.v[e], has_s0 ? &m0.v[e] : &scratch[e], &m1.v[e], &m2.v[e], g, c, ts);
+        update<K>(pv.v[e], m0.v[e], m1.v[e], m2.v[e], g, c, ts);
       }
       Pack<T, kVec> out;
 #pragma unroll
@@ -127,8 +125,11 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   for (int64_t i = head + threadIdx.x; i < n; i += kThreads) {
     const float g = fmul(fmul(S::load(grad[i]), gmul), clip);
     float p = master ? master[i] : S::load(param[i]);
-    float unused = 0.f;
-    update<K>(p, has_s0 ? s0 + i : &unused, has_s1 ? s1 + i : &unused, has_s2 ? s2 + i : &unused, g, c, ts);
+    float x0 = has_s0 ? s0[i] : 0.f, x1 = has_s1 ? s1[i] : 0.f, x2 = has_s2 ? s2[i] : 0.f;
+    update<K>(p, x0, x1, x2, g, c, ts);
+    if (has_s0) s0[i] = x0;
+    if (has_s1) s1[i] = x1;
+    if (has_s2) s2[i] = x2;
     if (master) master[i] = p;
     param[i] = S::store(p);
   }

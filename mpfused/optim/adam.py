@@ -1,0 +1,68 @@
+"""FusedAdam: torch.optim.Adam's algorithm as one fused kernel per device and param group."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from ._base import FusedOptimizer, check_lr, check_number
+
+
+class FusedAdam(FusedOptimizer):
+    """Drop-in for ``torch.optim.Adam`` (and, with ``decoupled_weight_decay=True``, ``AdamW``).
+
+    Per element, in one pass: the gradient is unscaled (when a GradScaler hands over its scale), the step
+    is skipped on the device when found_inf != 0, the FP32 weight and moments are updated, and the param
+    is written in its own dtype. FP16/BF16 params get an FP32 master copy in ``state['master_param']``
+    (``master_weights=None``/True) so that small updates are not lost to rounding. ``lr`` may be a float
+    or a one-element tensor (then no part of step() needs the host; capturable in a CUDA graph).
+    """
+
+    _state_float_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize: bool = False, master_weights: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False) -> None:
+        check_lr(lr)
+        check_number("epsilon value", eps, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas: expected a pair, got {betas!r}")
+        check_number("beta parameter at index 0", betas[0], 0.0, 1.0, hi_open=True)
+        check_number("beta parameter at index 1", betas[1], 0.0, 1.0, hi_open=True)
+        check_number("weight_decay value", weight_decay, 0.0)
+        if master_weights not in (None, True, False):
+            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
+                        maximize=bool(maximize), foreach=None, capturable=False, differentiable=False, fused=None,
+                        decoupled_weight_decay=bool(decoupled_weight_decay), master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    def _init_state(self, group, p, state) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = self._fp32_zeros(p)
+        state["exp_avg_sq"] = self._fp32_zeros(p)
+
+    def _complete_state(self, group, p, state) -> None:
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = self._fp32_zeros(p)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._fp32_zeros(p)
+
+    def _fused_step(self, group, params, grads, states, lr, inv_scale, clip_coef, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        _ops.adam_step_(
+            params, grads,
+            [s.get("master_param") for s in states],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+            [s["step"] for s in states],
+            lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled=group["decoupled_weight_decay"],
+            inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+        )

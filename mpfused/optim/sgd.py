@@ -1,0 +1,58 @@
+"""FusedSGD: torch.optim.SGD as one fused kernel per device and param group."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from ._base import FusedOptimizer, check_lr, check_number
+
+
+class FusedSGD(FusedOptimizer):
+    """Drop-in for ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize), with the
+    unscale, the inf-skip and FP32 master weights of FusedAdam. With momentum, ``state['step']`` (a device
+    tensor) counts the steps taken: 0 means the momentum buffer has not been set yet, which a skipped first
+    step must leave so without the host knowing."""
+
+    _state_float_keys = ("momentum_buffer", "master_param")
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize: bool = False, master_weights: Optional[bool] = None) -> None:
+        check_lr(lr)
+        check_number("momentum value", momentum, 0.0)
+        check_number("dampening value", dampening, -float("inf"))
+        check_number("weight_decay value", weight_decay, 0.0)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if master_weights not in (None, True, False):
+            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=None, differentiable=False,
+                        fused=None, master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    def _init_state(self, group, p, state) -> None:
+        self._complete_state(group, p, state)
+
+    def _complete_state(self, group, p, state) -> None:
+        if group["momentum"] != 0:
+            if "momentum_buffer" not in state or state["momentum_buffer"] is None:
+                state["momentum_buffer"] = self._fp32_zeros(p)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif "step" not in state:
+                # A buffer loaded from torch.optim.SGD has been written: the next step is not the first.
+                state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+
+    def _fused_step(self, group, params, grads, states, lr, inv_scale, clip_coef, found_inf) -> None:
+        momentum = group["momentum"] != 0
+        _ops.sgd_step_(
+            params, grads,
+            [s.get("master_param") for s in states],
+            [s["momentum_buffer"] for s in states] if momentum else [],
+            [s["step"] for s in states] if momentum else [],
+            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"], maximize=group["maximize"],
+            inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+        )

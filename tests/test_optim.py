@@ -1,0 +1,480 @@
+"""The fused optimizers against torch.optim, the FP32-master reference, skip semantics, GradScaler
+interop and state-dict interchange."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import mpfused
+from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from conftest import requires_cuda
+from tolerances import (OPTIM_FP32_ATOL, OPTIM_LOSS_RTOL, OPTIM_LOWP_MAX_ULP, OPTIM_LOWP_MISMATCH_FRACTION)
+
+CASES = {
+    "adam": (FusedAdam, torch.optim.Adam, dict(lr=1e-3)),
+    "adam-wd-amsgrad": (FusedAdam, torch.optim.Adam, dict(lr=2e-3, weight_decay=0.1, amsgrad=True)),
+    "adam-maximize": (FusedAdam, torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.99), maximize=True)),
+    "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=1e-3)),
+    "adamw-amsgrad-wd": (FusedAdamW, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.05, amsgrad=True, eps=1e-6)),
+    "sgd": (FusedSGD, torch.optim.SGD, dict(lr=0.05)),
+    "sgd-momentum": (FusedSGD, torch.optim.SGD, dict(lr=0.02, momentum=0.9)),
+    "sgd-dampening-wd": (FusedSGD, torch.optim.SGD, dict(lr=0.02, momentum=0.8, dampening=0.3, weight_decay=1e-2)),
+    "sgd-nesterov-maximize": (FusedSGD, torch.optim.SGD, dict(lr=0.01, momentum=0.9, nesterov=True, maximize=True)),
+}
+LOWP = [torch.float16, torch.bfloat16]
+
+
+def mlp(device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.Tanh(), torch.nn.Linear(48, 7)).to(device, dtype)
+
+
+def batches(device, n, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 24, generator=g).to(device, dtype), torch.randint(0, 7, (16,), generator=g).to(device))
+            for _ in range(n)]
+
+
+def train(model, opt, data, scheduler=None, sign=1.0):
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        (sign * loss).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def groups_of(model, kw):
+    """Two param groups with their own hyperparameters: the first layer at half the lr."""
+    first, rest = list(model[0].parameters()), list(model[2].parameters())
+    return [dict(params=first, lr=kw.get("lr", 1e-3) / 2), dict(params=rest)]
+
+
+def assert_params_close(a_model, b_model, atol=OPTIM_FP32_ATOL):
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+def ulp_distance(a, b):
+    """Distance in representable values between same-dtype tensors (finite values)."""
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    ia, ib = a.contiguous().view(view).long(), b.contiguous().view(view).long()
+    sign_bit = 1 << (8 * a.element_size() - 1)
+    ia = torch.where(ia < 0, -(ia + sign_bit), ia)  # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -(ib + sign_bit), ib)
+    return (ia - ib).abs()
+
+
+# ---- FP32 parity with torch.optim ----------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp32_parity_with_torch_over_60_steps_two_groups_and_a_scheduler(device, case):
+    ours_cls, ref_cls, kw = CASES[case]
+    ours_model, ref_model = mlp(device), mlp(device)
+    ours = ours_cls(groups_of(ours_model, kw), **kw)
+    ref = ref_cls(groups_of(ref_model, kw), **kw)
+    sched_o = torch.optim.lr_scheduler.StepLR(ours, step_size=20, gamma=0.5)
+    sched_r = torch.optim.lr_scheduler.StepLR(ref, step_size=20, gamma=0.5)
+    sign = -1.0 if kw.get("maximize") else 1.0
+    data = batches(device, 60)
+    lo = train(ours_model, ours, data, sched_o, sign)
+    lr_ = train(ref_model, ref, data, sched_r, sign)
+    assert_params_close(ours_model, ref_model)
+    assert lo == pytest.approx(lr_, rel=OPTIM_LOSS_RTOL)
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] < kw["lr"] / 2
+    # And the trajectory moved: the test would notice an optimizer that does nothing.
+    assert abs(lo[-1] - lo[0]) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["adamw", "sgd-momentum"])
+def test_tensor_lr_equals_float_lr(device, case):
+    ours_cls, _, kw = CASES[case]
+    kw = dict(kw, lr=2.0**-9)  # exactly representable: float and tensor lr must agree bit for bit
+    a_model, b_model = mlp(device), mlp(device)
+    a = ours_cls(a_model.parameters(), **kw)
+    b = ours_cls(b_model.parameters(), **dict(kw, lr=torch.tensor(2.0**-9, device=device)))
+    data = batches(device, 10)
+    train(a_model, a, data)
+    train(b_model, b, data)
+    for x, y in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_transformer_trained_100_steps_matches_torch(device):
+    def build():
+        torch.manual_seed(5)
+        layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
+                                   torch.nn.Linear(32, 5)).to(device)
+
+    ours_model, ref_model = build(), build()
+    ours = FusedAdamW(ours_model.parameters(), lr=1e-3)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 12, 32, generator=g).to(device)
+    y = torch.randint(0, 5, (8, 12), generator=g).to(device)
+    losses = {}
+    for name, model, opt in [("ours", ours_model, ours), ("ref", ref_model, ref)]:
+        losses[name] = []
+        for _ in range(100):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["ours"] == pytest.approx(losses["ref"], rel=OPTIM_LOSS_RTOL)
+    assert losses["ours"][-1] < 0.5 * losses["ours"][0]
+
+
+# ---- FP16/BF16 params with FP32 master weights -----------------------------------------------------
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("case", ["adamw-amsgrad-wd", "adam", "sgd-dampening-wd"])
+def test_master_weights_match_torch_on_an_fp32_copy_with_unscaled_grads(device, dtype, case):
+    ours_cls, ref_cls, kw = CASES[case]
+    torch.manual_seed(11)
+    shapes = [(33, 17), (65,), (4, 4, 4), (1,)]
+    init = [torch.randn(s) for s in shapes]
+    params = [torch.nn.Parameter(t.to(device, dtype)) for t in init]
+    masters_ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # what the master starts as
+    ours = ours_cls(params, **kw)
+    ref = ref_cls(masters_ref, **kw)
+    scale = 2.0**12
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(25):
+        grads = [(torch.randn(s, generator=gen) * scale).to(device, dtype) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g
+        for m, g in zip(masters_ref, grads):
+            m.grad = g.float() * (1.0 / scale)  # the unscaled FP32 gradient
+        ours.grad_scale = torch.tensor(scale, device=device)  # as torch.amp.GradScaler hands it over
+        ours.found_inf = torch.zeros((), device=device)
+        ours.step()
+        del ours.grad_scale, ours.found_inf
+        ref.step()
+    mismatched = total = 0
+    for p, m_ref in zip(params, masters_ref):
+        master = ours.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, m_ref.detach(), rtol=0, atol=OPTIM_FP32_ATOL)
+        assert torch.equal(p.detach(), master.to(dtype)), "the param must be its master rounded"
+        dist = ulp_distance(p.detach(), m_ref.detach().to(dtype))
+        assert int(dist.max()) <= OPTIM_LOWP_MAX_ULP
+        mismatched += int((dist > 0).sum())
+        total += p.numel()
+    assert mismatched <= max(1, OPTIM_LOWP_MISMATCH_FRACTION * total)
+    for s in ours.state.values():
+        assert all(v.dtype == torch.float32 for k, v in s.items() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_master_weights_keep_updates_that_fp16_would_lose(device, dtype):
+    # An update of 1e-4 on weights of 1.0 is below half an ulp of FP16 and BF16: without a master
+    # it rounds away every step; with one it accumulates.
+    p_master = torch.nn.Parameter(torch.ones(64, device=device, dtype=dtype))
+    p_plain = torch.nn.Parameter(torch.ones(64, device=device, dtype=dtype))
+    with_master = FusedSGD([p_master], lr=1e-4)
+    without = FusedSGD([p_plain], lr=1e-4, master_weights=False)
+    for _ in range(100):
+        for p, opt in [(p_master, with_master), (p_plain, without)]:
+            p.grad = torch.ones_like(p)
+            opt.step()
+    assert torch.all(p_plain == 1.0)
+    assert with_master.state[p_master]["master_param"][0].item() == pytest.approx(1.0 - 100 * 1e-4, rel=1e-5)
+    assert torch.all(p_master < 1.0)
+
+
+def test_fp32_params_get_no_master_and_lowp_without_master_weights(device):
+    a = torch.nn.Parameter(torch.randn(5, device=device))
+    b = torch.nn.Parameter(torch.randn(5, device=device).half())
+    opt = FusedAdam([a, b], master_weights=False)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert "master_param" not in opt.state[a] and "master_param" not in opt.state[b]
+    opt2 = FusedAdam([a, b])
+    opt2.step()
+    assert "master_param" not in opt2.state[a] and opt2.state[b]["master_param"].dtype == torch.float32
+
+
+# ---- skip semantics -----------------------------------------------------------------------------------
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy({id(k): v for k, v in opt.state.items()})
+
+
+@pytest.mark.parametrize("found", [1.0, 2.0])
+@pytest.mark.parametrize("case", ["adamw-amsgrad-wd", "sgd-dampening-wd"])
+def test_skipped_step_leaves_everything_bitwise_unchanged(device, case, found):
+    ours_cls, _, kw = CASES[case]
+    params = [torch.nn.Parameter(torch.randn(40, device=device).to(d)) for d in (torch.float32, torch.float16, torch.bfloat16)]
+    opt = ours_cls(params, **kw)
+    for _ in range(2):  # real state first
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    before_p, before_s = snapshot(opt, params)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e3
+    opt.found_inf = torch.tensor([found], device=device)
+    opt.grad_scale = torch.tensor(1024.0, device=device)
+    opt.step()
+    del opt.found_inf, opt.grad_scale
+    after_p, after_s = snapshot(opt, params)
+    for a, b in zip(before_p, after_p):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for key in before_s:
+        for name, value in before_s[key].items():
+            assert torch.equal(value, after_s[key][name]), name
+
+
+def test_skipped_first_sgd_step_keeps_the_buffer_unset(device):
+    # torch sets the momentum buffer to the first gradient (no dampening). A skipped first step must not
+    # count as that first step, although the host never learns that it was skipped.
+    p_ours = torch.nn.Parameter(torch.zeros(8, device=device))
+    p_ref = torch.nn.Parameter(torch.zeros(8, device=device))
+    ours = FusedSGD([p_ours], lr=0.1, momentum=0.9, dampening=0.5)
+    ref = torch.optim.SGD([p_ref], lr=0.1, momentum=0.9, dampening=0.5)
+    p_ours.grad = torch.full_like(p_ours, 3.0)
+    ours.found_inf = torch.ones((), device=device)
+    ours.step()
+    del ours.found_inf
+    for _ in range(3):
+        for p, opt in [(p_ours, ours), (p_ref, ref)]:
+            p.grad = torch.full_like(p, 2.0)
+            opt.step()
+    torch.testing.assert_close(p_ours, p_ref, rtol=0, atol=OPTIM_FP32_ATOL)
+
+
+def test_params_without_grads_are_skipped(device):
+    a = torch.nn.Parameter(torch.randn(4, device=device))
+    b = torch.nn.Parameter(torch.randn(4, device=device))
+    opt = FusedAdamW([a, b])
+    b_before = b.detach().clone()
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert torch.equal(b, b_before) and not opt.state[b]
+    assert opt.state[a]["step"].item() == 1.0
+
+
+# ---- torch.amp.GradScaler interop ---------------------------------------------------------------------
+def test_torch_grad_scaler_drives_the_fused_step(device):
+    torch.manual_seed(3)
+    ours_model, ref_model = mlp(device), mlp(device)
+    ours, ref = FusedAdamW(ours_model.parameters(), lr=1e-3), torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    s_ours = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
+    s_ref = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
+    data = batches(device, 12)
+    for i, (x, y) in enumerate(data):
+        for model, opt, scaler in [(ours_model, ours, s_ours), (ref_model, ref, s_ref)]:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if i == 5:
+                loss = loss * float("inf")  # an overflow: both must skip and back off
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert s_ours.get_scale() == s_ref.get_scale()
+    assert_params_close(ours_model, ref_model)
+    assert ours.state[next(ours_model.parameters())]["step"].item() == 11.0  # 12 iterations, one skipped
+
+
+def test_scaler_unscale_then_clip_then_step(device):
+    # With unscale_ called first (for clipping), the scaler hands over no scale: grads are used as they are.
+    ours_model, ref_model = mlp(device), mlp(device)
+    ours, ref = FusedAdam(ours_model.parameters()), torch.optim.Adam(ref_model.parameters())
+    scalers = [torch.amp.GradScaler(device, init_scale=256.0) for _ in range(2)]
+    for x, y in batches(device, 5):
+        for model, opt, scaler in [(ours_model, ours, scalers[0]), (ref_model, ref, scalers[1])]:
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            scaler.step(opt)
+            scaler.update()
+    assert_params_close(ours_model, ref_model)
+
+
+# ---- state dicts ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["adamw-amsgrad-wd", "adam", "sgd-dampening-wd", "sgd-nesterov-maximize"])
+def test_state_dict_interchange_with_torch_both_ways(device, case):
+    ours_cls, ref_cls, kw = CASES[case]
+    data = batches(device, 20)
+    sign = -1.0 if kw.get("maximize") else 1.0
+    # torch -> ours: train 10 steps with torch, continue with ours, compare to torch continuing.
+    m_ref, m_ours = mlp(device), mlp(device)
+    ref = ref_cls(m_ref.parameters(), **kw)
+    train(m_ref, ref, data[:10], sign=sign)
+    m_ours.load_state_dict(m_ref.state_dict())
+    ours = ours_cls(m_ours.parameters(), **kw)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # as from a checkpoint: no shared state tensors
+    train(m_ref, ref, data[10:], sign=sign)
+    train(m_ours, ours, data[10:], sign=sign)
+    assert_params_close(m_ours, m_ref)
+    # ours -> torch
+    m_a, m_b = mlp(device), mlp(device)
+    a = ours_cls(m_a.parameters(), **kw)
+    train(m_a, a, data[:10], sign=sign)
+    m_b.load_state_dict(m_a.state_dict())
+    b = ref_cls(m_b.parameters(), **kw)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    train(m_a, a, data[10:], sign=sign)
+    train(m_b, b, data[10:], sign=sign)
+    assert_params_close(m_a, m_b)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_own_state_dict_round_trip_is_exact_and_stays_fp32(device, dtype):
+    params = [torch.nn.Parameter(torch.randn(30, device=device).to(dtype)) for _ in range(2)]
+    opt = FusedAdamW(params, amsgrad=True)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"}
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = FusedAdamW(clones, amsgrad=True)
+    opt2.load_state_dict(sd)
+    for s in opt2.state.values():
+        assert all(v.dtype == torch.float32 for v in s.values() if isinstance(v, torch.Tensor))
+    grads = [torch.randn_like(p) for p in params]
+    for ps, o in [(params, opt), (clones, opt2)]:
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        o.step()
+    for p, q in zip(params, clones):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["master_param"], opt2.state[q]["master_param"])
+
+
+def test_torch_state_of_an_fp16_param_loads_without_downcasting(device):
+    p = torch.nn.Parameter(torch.randn(16, device=device).half())
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().float())])
+    ref.param_groups[0]["params"][0].grad = torch.randn(16, device=device)
+    ref.step()
+    ours = FusedAdamW([p])
+    ours.load_state_dict(ref.state_dict())
+    st = ours.state[p]
+    assert st["exp_avg"].dtype == torch.float32 and st["master_param"].dtype == torch.float32
+    assert torch.equal(st["exp_avg"], ref.state[ref.param_groups[0]["params"][0]]["exp_avg"])
+    assert st["step"].item() == 1.0
+
+
+# ---- API and bad input ----------------------------------------------------------------------------------
+def test_add_param_group_and_zero_grad(device):
+    a, b = torch.nn.Parameter(torch.randn(3, device=device)), torch.nn.Parameter(torch.randn(3, device=device))
+    opt = FusedSGD([a], lr=0.1)
+    opt.add_param_group({"params": [b], "lr": 0.5})
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    opt.step()
+    torch.testing.assert_close(a0 - a.detach(), torch.full_like(a0, 0.1))
+    torch.testing.assert_close(b0 - b.detach(), torch.full_like(b0, 0.5))
+    opt.zero_grad(set_to_none=True)
+    assert a.grad is None and b.grad is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: FusedAdam(p, lr=-1.0),
+    lambda p: FusedAdam(p, lr=float("nan")),
+    lambda p: FusedAdam(p, betas=(1.0, 0.999)),
+    lambda p: FusedAdam(p, betas=(0.9, -0.1)),
+    lambda p: FusedAdam(p, eps=-1e-8),
+    lambda p: FusedAdamW(p, weight_decay=float("inf")),
+    lambda p: FusedAdam(p, lr=torch.tensor([1e-3, 1e-3])),
+    lambda p: FusedSGD(p, momentum=-0.5),
+    lambda p: FusedSGD(p, nesterov=True),
+    lambda p: FusedSGD(p, momentum=0.9, dampening=0.1, nesterov=True),
+    lambda p: FusedSGD(p, master_weights="yes"),
+])
+def test_invalid_hyperparameters_raise_value_error(make):
+    with pytest.raises(ValueError, match="Invalid|Nesterov"):
+        make([torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_bad_params_and_grads_raise_before_anything_is_written():
+    good = torch.nn.Parameter(torch.randn(6))
+    cases = []
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    cases.append(([emb.weight], "sparse gradients"))
+    c = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    c.grad = torch.randn(3, dtype=torch.complex64)
+    cases.append(([c], "float32/float16/bfloat16"))
+    d = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    d.grad = torch.randn(3, dtype=torch.float64)
+    cases.append(([d], "float32/float16/bfloat16|not supported"))
+    nc = torch.nn.Parameter(torch.randn(4, 6).t())
+    nc.grad = torch.randn(4, 6).t()
+    cases.append(([nc], "must be contiguous"))
+    for bad, message in cases:
+        good.grad = torch.ones_like(good)
+        opt = FusedAdamW([good] + bad)
+        before = good.detach().clone()
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        assert torch.equal(good, before) and not opt.state[good]
+
+
+def test_kernel_entry_validates_shapes_devices_and_state():
+    p, g = torch.randn(6), torch.randn(6)
+    z = lambda: torch.zeros(6)  # noqa: E731
+    step = torch.zeros(())
+    base = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, decoupled=True)
+    bad = [
+        (dict(grads=[torch.randn(5)]), r"grads\[0\] must have its param's shape"),
+        (dict(grads=[torch.randn(6).half()]), r"grads\[0\] must have its param's dtype"),
+        (dict(grads=[torch.randn(6, device="meta")]), r"grads\[0\] must be on its param's device"),
+        (dict(exp_avgs=[torch.zeros(6).half()]), r"exp_avgs\[0\] must be float32"),
+        (dict(exp_avgs=[torch.zeros(5)]), r"exp_avgs\[0\] must have 6 elements"),
+        (dict(steps=[torch.zeros(2)]), r"steps\[0\] must be a float32 tensor with one element"),
+        (dict(masters=[torch.zeros(6, device="meta")]), r"masters\[0\] must be on cpu"),
+        (dict(found_inf=torch.zeros(1).half()), r"found_inf must be a float32"),
+        (dict(beta1=float("nan")), r"invalid beta1"),
+    ]
+    for override, message in bad:
+        args = dict(params=[p], grads=[g], masters=[None], exp_avgs=[z()], exp_avg_sqs=[z()], max_exp_avg_sqs=[],
+                    steps=[step], **base)
+        found_inf = override.pop("found_inf", None)
+        args.update(override)
+        before = p.clone()
+        with pytest.raises(ValueError, match=message):
+            mpfused._ops.adam_step_(args.pop("params"), args.pop("grads"), args.pop("masters"), args.pop("exp_avgs"),
+                                    args.pop("exp_avg_sqs"), args.pop("max_exp_avg_sqs"), args.pop("steps"),
+                                    found_inf=found_inf, **args)
+        assert torch.equal(p, before) and step.item() == 0.0
+
+
+# ---- CUDA only (skipped without a GPU) -----------------------------------------------------------------
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_step_is_sync_free_two_launches_and_graph_capturable():
+    params = [torch.nn.Parameter(torch.randn(1000 + i, device="cuda").half()) for i in range(50)]
+    lr = torch.tensor(1e-3, device="cuda")
+    opt = FusedAdamW(params, lr=lr)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state initialisation happens outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            opt.step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "kernel" in e.name.lower()]
+    assert len([k for k in kernels if "optim_kernel" in k.name or "step_increment" in k.name]) == 2
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        opt.step()
+    step_before = opt.state[params[0]]["step"].item()
+    lr.fill_(0.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert opt.state[params[0]]["step"].item() == step_before + 1
