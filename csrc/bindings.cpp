@@ -223,7 +223,14 @@ void check_hyper(double v, const char* name, double lo, bool lo_open, double hi,
 
 void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& lr_tensor,
                  const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
+                 const std::optional<at::Tensor>& clip_sumsq, double max_norm,
                  const std::optional<at::Tensor>& found_inf, const at::Device& device) {
+  if (clip_sumsq) {
+    check_scalar(*clip_sumsq, "clip_sumsq", device);
+    check_hyper(max_norm, "max_norm", 0.0, false, INFINITY, false);
+    a.clip_sumsq = clip_sumsq->data_ptr<float>();
+    a.max_norm = static_cast<float>(max_norm);
+  }
   a.lr = lr;
   if (lr_tensor) {
     check_scalar(*lr_tensor, "lr", device);
@@ -255,6 +262,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
                 const OptTensorList& steps, double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
+                const std::optional<at::Tensor>& clip_sumsq, double max_norm,
                 const std::optional<at::Tensor>& found_inf) {
   check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
   check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
@@ -271,7 +279,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, found_inf, device);
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, device);
   run_optim(a, device);
 }
 
@@ -279,7 +287,8 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
                const OptTensorList& momentum_buffers, const OptTensorList& steps, double lr,
                const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening, double weight_decay,
                bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
-               const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& found_inf) {
+               const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& clip_sumsq,
+               double max_norm, const std::optional<at::Tensor>& found_inf) {
   check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
   check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
   check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
@@ -296,8 +305,45 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, found_inf, device);
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, device);
   run_optim(a, device);
+}
+
+// ---- loss scaling --------------------------------------------------------------------------------------
+void loss_scale_update_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_left,
+                        const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale, double growth_factor,
+                        double backoff_factor, int64_t growth_interval, int64_t hysteresis, double min_scale,
+                        double max_scale, bool dynamic) {
+  check_dense(scale, "scale");
+  const at::Device device = scale.device();
+  check_backend(device, "scale");
+  check_scalar(scale, "scale", device);
+  check_scalar(found_inf, "found_inf", device);
+  if (inv_scale) check_scalar(*inv_scale, "inv_scale", device);
+  for (const auto* t : {&growth_tracker, &hysteresis_left}) {
+    const std::string name = t == &growth_tracker ? "growth_tracker" : "hysteresis_left";
+    check_dense(*t, name);
+    if (t->scalar_type() != at::kInt || t->numel() != 1 || t->device() != device)
+      fail(name + " must be an int32 tensor with one element on " + device.str() + ", got a " + describe(*t));
+  }
+  check_hyper(growth_factor, "growth_factor", 1.0, true, INFINITY, false);
+  check_hyper(backoff_factor, "backoff_factor", 0.0, true, 1.0, true);
+  check_hyper(min_scale, "min_scale", 0.0, true, INFINITY, false);
+  check_hyper(max_scale, "max_scale", min_scale, false, 3.4e38, false);
+  if (growth_interval < 1 || growth_interval > INT32_MAX) fail("growth_interval must be a positive int32");
+  if (hysteresis < 1 || hysteresis > INT32_MAX) fail("hysteresis must be a positive int32");
+  mpf::LossScaleArgs a{scale.data_ptr<float>(), inv_scale ? inv_scale->data_ptr<float>() : nullptr,
+                       growth_tracker.data_ptr<int32_t>(), hysteresis_left.data_ptr<int32_t>(), found_inf.data_ptr<float>(),
+                       mpf::LossScaleConfig{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval),
+                                            static_cast<int32_t>(hysteresis), min_scale, max_scale, dynamic}};
+  if (device.is_cpu()) {
+    mpf::loss_scale_update_cpu(a);
+    return;
+  }
+#ifdef MPFUSED_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(device);
+  mpf::loss_scale_update_cuda(a, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
 }
 
 pybind11::dict limits_dict(const mpf::PlanLimits& l) {
@@ -353,6 +399,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("adam_step_", &adam_step_, "Fused Adam/AdamW step over one device's params (see mpfused._ops).");
   m.def("sgd_step_", &sgd_step_, "Fused SGD step over one device's params (see mpfused._ops).");
+  m.def("loss_scale_update_", &loss_scale_update_, "Dynamic loss-scale update on the scaler's device tensors.");
   m.def("non_finite_check_", &non_finite_check_, pybind11::arg("tensors"), pybind11::arg("found_inf"),
         pybind11::arg("inv_scale") = pybind11::none(), pybind11::arg("unscale") = false,
         pybind11::arg("sumsq") = pybind11::none(),

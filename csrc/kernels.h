@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "core/loss_scale.h"
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
 #include "core/optim.h"
@@ -70,6 +71,8 @@ struct OptimArgs {
   SgdHyper sgd;
   const float* inv_scale;      // nullptr, or one float: gradients are multiplied by it
   const float* clip_coef;      // nullptr, or one float: then also multiplied by it
+  const float* clip_sumsq;     // nullptr, or one float: the gradients' sum of squares; then also
+  float max_norm;              //   multiplied by clip_coefficient(*clip_sumsq, max_norm) (core/optim.h)
   const float* found_inf;      // nullptr, or one float: != 0 skips the whole step (nothing is written)
 };
 
@@ -78,9 +81,22 @@ constexpr PlanLimits kCudaOptimLimits{int64_t{1} << 16, 384, int64_t{1} << 30};
 
 void optim_step_cpu(const OptimArgs& args, int num_threads);
 
+// ---- dynamic loss scaling: the scale update (core/loss_scale.h), on the device --------------------
+struct LossScaleArgs {
+  float* scale;              // one float
+  float* inv_scale;          // nullptr, or one float: set to 1 / scale after the update
+  int32_t* growth_tracker;   // one int32
+  int32_t* hysteresis_left;  // one int32
+  const float* found_inf;    // one float: != 0 is an overflow
+  LossScaleConfig config;
+};
+
+void loss_scale_update_cpu(const LossScaleArgs& args);
+
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
 void optim_step_cuda(const OptimArgs& args, void* stream);
+void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

@@ -2,7 +2,8 @@
 
 from . import optim
 from ._ops import build_info, has_cuda_kernels, non_finite_check_
+from .scaler import GradScaler
 
 __version__ = build_info()["version"]
 
-__all__ = ["__version__", "optim", "build_info", "has_cuda_kernels", "non_finite_check_"]
+__all__ = ["__version__", "optim", "GradScaler", "build_info", "has_cuda_kernels", "non_finite_check_"]

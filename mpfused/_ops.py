@@ -109,22 +109,35 @@ def _lr_args(lr):
 
 
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-               weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, found_inf=None) -> None:
+               weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
+               max_norm=0.0, found_inf=None) -> None:
     """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
     gradient times ``inv_scale`` (and ``clip_coef``), the update of the FP32 weight (``masters[i]`` when
     given, else the param itself) and FP32 moments, and the param stored in its dtype. When
-    ``found_inf`` != 0 nothing is written, steps included. ``lr`` is a float or a one-element float32
+    ``found_inf`` != 0 nothing is written, steps included. With ``clip_sumsq`` (the sum of squares of the
+    unscaled gradients, on the device) the gradients are also multiplied by torch's clip coefficient
+    ``min(1, max_norm / (sqrt(clip_sumsq) + 1e-6))``, computed in the kernel. ``lr`` is a float or a one-element float32
     tensor on the device. Validates everything before writing anything."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
                   float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
-                  bool(decoupled), inv_scale, clip_coef, found_inf)
+                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf)
 
 
 def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
-              maximize, inv_scale=None, clip_coef=None, found_inf=None) -> None:
+              maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None) -> None:
     """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
     never written (torch then sets it to the gradient itself)."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
-                 float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef, found_inf)
+                 float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef,
+                 clip_sumsq, float(max_norm), found_inf)
+
+
+def loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale=None, *, growth_factor,
+                       backoff_factor, growth_interval, hysteresis, min_scale, max_scale, dynamic) -> None:
+    """The dynamic loss-scale update (csrc/core/loss_scale.h) on the scaler's device tensors, in place;
+    ``inv_scale`` (optional) is refreshed to 1/scale. One tiny launch on CUDA; no host sync."""
+    _C.loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale, float(growth_factor),
+                          float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale),
+                          float(max_scale), bool(dynamic))

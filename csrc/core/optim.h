@@ -43,6 +43,13 @@ MPF_HD float fsqrt(float a) {
 #endif
 }
 
+// torch.nn.utils.clip_grad_norm_'s coefficient from the sum of squares of the unscaled gradients:
+// min(1, max_norm / (norm + 1e-6)), in FP32 as torch computes it.
+MPF_HD float clip_coefficient(float sumsq, float max_norm) {
+  const float coef = fdiv(max_norm, fadd(fsqrt(sumsq), 1e-6f));
+  return coef < 1.f ? coef : 1.f;
+}
+
 // torch's lerp: the formula depends on which side of 0.5 the weight is, for accuracy at both ends.
 MPF_HD float lerp(float self, float end, float weight) {
   return std::fabs(weight) < 0.5f ? fadd(self, fmul(weight, fsub(end, self)))

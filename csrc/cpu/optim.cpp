@@ -23,6 +23,9 @@ struct StepConsts {
 };
 
 #define MPF_CPU_IMPL_NS baseline
+namespace MPF_CPU_IMPL_NS {
+#include "storage_impl.inc"
+}
 #include "optim_impl.inc"
 #undef MPF_CPU_IMPL_NS
 
@@ -30,6 +33,11 @@ struct StepConsts {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MPF_CPU_IMPL_NS avx2
+#define MPF_CPU_F16C 1
+namespace MPF_CPU_IMPL_NS {
+#include "storage_impl.inc"
+}
+#undef MPF_CPU_F16C
 #include "optim_impl.inc"
 #undef MPF_CPU_IMPL_NS
 #pragma GCC pop_options
@@ -61,8 +69,9 @@ void optim_step_cpu(const OptimArgs& a, int num_threads) {
   for (const PlanLaunch& l : plan_multi_tensor(numel.data(), a.num_tensors, kCpuOptimLimits))
     for (const PlanItem& it : l.items) work.emplace_back(l.tensors[it.slot], it.chunk);
 
-  const StepConsts consts{a.inv_scale ? *a.inv_scale : 1.f, a.clip_coef ? *a.clip_coef : 1.f, adam.data(), sgd.data(),
-                          first.data()};
+  float clip = a.clip_coef ? *a.clip_coef : 1.f;
+  if (a.clip_sumsq) clip = fmul(clip, clip_coefficient(*a.clip_sumsq, a.max_norm));
+  const StepConsts consts{a.inv_scale ? *a.inv_scale : 1.f, clip, adam.data(), sgd.data(), first.data()};
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
   auto go = [&](auto kind) {
     constexpr OptimKind K = decltype(kind)::value;

@@ -44,6 +44,8 @@ struct OptimConsts {
   const float* lr_ptr;
   const float* inv_scale;
   const float* clip_coef;
+  const float* clip_sumsq;
+  float max_norm;
   const float* found_inf;
 };
 static_assert(kChunk % kVec == 0, "chunks must keep vector alignment");
@@ -149,7 +151,8 @@ __global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constan
   else ts.sgd = sgd_scalars(c.sgd, lr);
   ts.first_step = step == 0.f;
   const float gmul = c.inv_scale ? *c.inv_scale : 1.f;
-  const float clip = c.clip_coef ? *c.clip_coef : 1.f;
+  float clip = c.clip_coef ? *c.clip_coef : 1.f;
+  if (c.clip_sumsq) clip = fmul(clip, clip_coefficient(*c.clip_sumsq, c.max_norm));
   switch (static_cast<DType>(a.dtype[slot])) {
     case DType::kFloat32: process_chunk<DType::kFloat32, K>(a, slot, begin, n, c, ts, gmul, clip); break;
     case DType::kFloat16: process_chunk<DType::kFloat16, K>(a, slot, begin, n, c, ts, gmul, clip); break;
@@ -169,7 +172,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
-  const OptimConsts consts{a.adam, a.sgd, a.lr, a.lr_ptr, a.inv_scale, a.clip_coef, a.found_inf};
+  const OptimConsts consts{a.adam, a.sgd, a.lr, a.lr_ptr, a.inv_scale, a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf};
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {

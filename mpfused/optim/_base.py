@@ -101,8 +101,10 @@ class FusedOptimizer(Optimizer):
         # Set by torch.amp.GradScaler (the scale itself, and the summed found_inf), or by mpfused's.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        # Set by mpfused.GradScaler: 1/scale, and for clipping the sum of squares of the unscaled grads
+        # (on the device) with max_norm; the kernel folds the clip coefficient into the update.
         inv_scale = getattr(self, "_mpf_inv_scale", None)
-        clip_coef = getattr(self, "_mpf_clip_coef", None)
+        clip = getattr(self, "_mpf_clip", None)
 
         work = []
         for group in self.param_groups:
@@ -122,8 +124,8 @@ class FusedOptimizer(Optimizer):
                     inv = grad_scale.to(device, non_blocking=True).double().reciprocal().float()
                 per_device[device] = (
                     inv,
-                    clip_coef.to(device, non_blocking=True) if clip_coef is not None else None,
-                    found_inf.to(device, dtype=torch.float32, non_blocking=True) if found_inf is not None else None,
+                    (clip[0].to(device, non_blocking=True), clip[1]) if clip is not None else None,
+                    found_inf.to(device, dtype=torch.float32, non_blocking=True).reshape(1) if found_inf is not None else None,
                 )
             return per_device[device]
 
@@ -141,7 +143,8 @@ class FusedOptimizer(Optimizer):
                 self._fused_step(group, ps, grads, states, lr, inv, clip, found)
         return loss
 
-    def _fused_step(self, group, params, grads, states, lr, inv_scale, clip_coef, found_inf) -> None:
+    def _fused_step(self, group, params, grads, states, lr, inv_scale, clip, found_inf) -> None:
+        """clip: None, or (sum of squares tensor, max_norm)."""
         raise NotImplementedError
 
     # ---- state dict ---------------------------------------------------------------------------------

@@ -1,0 +1,51 @@
+// Dynamic loss-scale update, shared by the CPU and CUDA backends (one thread on the device: no sync).
+//
+// torch.amp.GradScaler's rule (torch._amp_update_scale_), plus:
+//   - hysteresis (DeepSpeed): back off only after `hysteresis` consecutive overflows; a clean step
+//     restores the allowance;
+//   - clamps: growth stops at max_scale and backoff at min_scale, so the scale never becomes inf or 0;
+//   - static mode: the scale never changes.
+// The products are computed in double and rounded to FP32 once, as torch does.
+#pragma once
+
+#include <cstdint>
+
+#include "numeric.h"
+
+namespace mpf {
+
+struct LossScaleConfig {
+  double growth_factor, backoff_factor;
+  int32_t growth_interval, hysteresis;
+  double min_scale, max_scale;
+  bool dynamic;
+};
+
+// State, all on the device: scale, growth_tracker (clean steps since the last change) and the
+// overflows still tolerated before a backoff.
+MPF_HD void loss_scale_update(float& scale, int32_t& growth_tracker, int32_t& hysteresis_left, float found_inf,
+                              const LossScaleConfig& c) {
+  if (!c.dynamic) return;
+  if (found_inf != 0.f) {
+    growth_tracker = 0;
+    hysteresis_left -= 1;
+    if (hysteresis_left <= 0) {
+      const double s = static_cast<double>(scale) * c.backoff_factor;
+      scale = static_cast<float>(s < c.min_scale ? c.min_scale : s);
+      hysteresis_left = c.hysteresis;
+    }
+    return;
+  }
+  hysteresis_left = c.hysteresis;
+  const int32_t successful = growth_tracker + 1;
+  if (successful >= c.growth_interval) {
+    const double s = static_cast<double>(scale) * c.growth_factor;
+    const float grown = static_cast<float>(s > c.max_scale ? c.max_scale : s);
+    if (is_finite(grown)) scale = grown;
+    growth_tracker = 0;
+  } else {
+    growth_tracker = successful;
+  }
+}
+
+}  // namespace mpf

@@ -1,0 +1,299 @@
+"""mpfused.GradScaler against torch.amp.GradScaler: scale trajectory, skipping, fused clipping,
+accumulation, state dicts, non-fused optimizers and two-process distributed training."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mpfused
+from mpfused.optim import FusedAdamW, FusedSGD
+from conftest import requires_cuda
+from tolerances import OPTIM_FP32_ATOL
+
+
+def model(device, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)).to(device)
+
+
+def data(device, n, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 12, generator=g).to(device), torch.randint(0, 3, (batch,), generator=g).to(device))
+            for _ in range(n)]
+
+
+def loss_of(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+def run_pattern(scaler, overflow_pattern, device):
+    """One param, one optimizer: an overflow wherever the pattern says 1. Returns (scale, tracker) per step."""
+    p = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = torch.optim.SGD([p], lr=0.1) if isinstance(scaler, torch.amp.GradScaler) else FusedSGD([p], lr=0.1)
+    out = []
+    for bad in overflow_pattern:
+        opt.zero_grad()
+        loss = (p * (float("inf") if bad else 1.0)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return out
+
+
+PATTERN = [0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_scale_and_growth_tracker_follow_torch_exactly(device):
+    kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=3)
+    ours = run_pattern(mpfused.GradScaler(device, **kw), PATTERN, device)
+    ref = run_pattern(torch.amp.GradScaler(device, **kw), PATTERN, device)
+    assert ours == ref
+    assert len({s for s, _ in ours}) >= 3  # the scale went up and down
+
+
+def test_hysteresis_tolerates_k_minus_1_consecutive_overflows(device):
+    scaler = mpfused.GradScaler(device, init_scale=1024.0, growth_interval=100, hysteresis=3)
+    scales = [s for s, _ in run_pattern(scaler, [1, 1, 0, 1, 1, 1, 1, 1, 1], device)]
+    # two overflows tolerated, a clean step restores the allowance, then backoff at every third.
+    assert scales == [1024.0, 1024.0, 1024.0, 1024.0, 1024.0, 512.0, 512.0, 512.0, 256.0]
+
+
+def test_min_and_max_scale_clamp(device):
+    up = mpfused.GradScaler(device, init_scale=2.0**20, growth_interval=1, max_scale=2.0**22)
+    assert [s for s, _ in run_pattern(up, [0] * 5, device)] == [2.0**21, 2.0**22, 2.0**22, 2.0**22, 2.0**22]
+    down = mpfused.GradScaler(device, init_scale=8.0, growth_interval=1, min_scale=2.0)
+    assert [s for s, _ in run_pattern(down, [1] * 4, device)] == [4.0, 2.0, 2.0, 2.0]
+
+
+def test_static_scaling_keeps_the_scale_and_still_skips(device):
+    scaler = mpfused.GradScaler(device, init_scale=128.0, growth_interval=1, dynamic=False)
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = FusedSGD([p], lr=0.5)
+    for bad in [0, 1, 0, 1]:
+        before = p.detach().clone()
+        opt.zero_grad()
+        scaler.scale((p * (float("inf") if bad else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 128.0
+        assert torch.equal(p, before) == bool(bad)
+        assert scaler.found_inf().item() == float(bad)
+
+
+def test_skipped_step_leaves_params_and_state_bitwise_unchanged(device):
+    m = model(device)
+    opt = FusedAdamW(m.parameters(), lr=1e-2)
+    scaler = mpfused.GradScaler(device, init_scale=256.0)
+    (x, y), = data(device, 1)
+    for bad in (False, True):
+        opt.zero_grad()
+        loss = loss_of(m, x, y) * (float("nan") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.clip_grad_norm_(opt, 1.0)
+        params = [p.detach().clone() for p in m.parameters()]
+        state = copy.deepcopy({i: s for i, s in enumerate(opt.state.values())})
+        scaler.step(opt)
+        scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+    for i, s in enumerate(opt.state.values()):
+        assert all(torch.equal(v, state[i][k]) for k, v in s.items())
+    assert scaler.get_scale() == 128.0
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])
+def test_fused_clipping_equals_torch_clip_on_unscaled_grads(device, max_norm):
+    ours_m, ref_m = model(device), model(device)
+    ours, ref = FusedAdamW(ours_m.parameters(), lr=1e-2), torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    s_ours, s_ref = mpfused.GradScaler(device, init_scale=2.0**12), torch.amp.GradScaler(device, init_scale=2.0**12)
+    for x, y in data(device, 6):
+        ours.zero_grad()
+        s_ours.scale(loss_of(ours_m, x, y)).backward()
+        n_ours = s_ours.clip_grad_norm_(ours, max_norm)
+        s_ours.step(ours)
+        s_ours.update()
+        ref.zero_grad()
+        s_ref.scale(loss_of(ref_m, x, y)).backward()
+        s_ref.unscale_(ref)
+        n_ref = torch.nn.utils.clip_grad_norm_(ref_m.parameters(), max_norm)
+        s_ref.step(ref)
+        s_ref.update()
+        assert isinstance(n_ours, torch.Tensor) and n_ours.device.type == device
+        assert n_ours.item() == pytest.approx(n_ref.item(), rel=1e-5)
+    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=OPTIM_FP32_ATOL)
+
+
+def test_accumulation_over_4_micro_batches_equals_one_big_batch(device):
+    big_m, acc_m = model(device), model(device)
+    big, acc = FusedAdamW(big_m.parameters(), lr=1e-2), FusedAdamW(acc_m.parameters(), lr=1e-2)
+    s_big, s_acc = mpfused.GradScaler(device, init_scale=2.0**10), mpfused.GradScaler(device, init_scale=2.0**10)
+    for x, y in data(device, 5, batch=16):
+        big.zero_grad()
+        s_big.scale(loss_of(big_m, x, y)).backward()
+        s_big.clip_grad_norm_(big, 1.0)
+        s_big.step(big)
+        s_big.update()
+        acc.zero_grad()
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):
+            s_acc.scale(loss_of(acc_m, xs, ys) / 4).backward()
+        s_acc.clip_grad_norm_(acc, 1.0)
+        s_acc.step(acc)
+        s_acc.update()
+    for a, b in zip(big_m.parameters(), acc_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=OPTIM_FP32_ATOL)
+
+
+def test_non_fused_torch_optimizer_and_two_optimizers(device):
+    ours_m, ref_m = model(device), model(device)
+    ours_opts = [torch.optim.SGD(ours_m[0].parameters(), lr=0.1, momentum=0.9), FusedAdamW(ours_m[2].parameters())]
+    ref_opts = [torch.optim.SGD(ref_m[0].parameters(), lr=0.1, momentum=0.9), torch.optim.AdamW(ref_m[2].parameters())]
+    s_ours, s_ref = mpfused.GradScaler(device, init_scale=64.0, growth_interval=2), torch.amp.GradScaler(device, init_scale=64.0, growth_interval=2)
+    for i, (x, y) in enumerate(data(device, 7)):
+        for m, opts, s in [(ours_m, ours_opts, s_ours), (ref_m, ref_opts, s_ref)]:
+            for o in opts:
+                o.zero_grad()
+            loss = loss_of(m, x, y) * (float("inf") if i == 2 else 1.0)
+            s.scale(loss).backward()
+            for o in opts:
+                s.step(o)
+            s.update()
+        assert s_ours.get_scale() == s_ref.get_scale()
+    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=OPTIM_FP32_ATOL)
+
+
+def test_state_dict_interchange_with_torch_both_ways(device):
+    ours = mpfused.GradScaler(device, init_scale=512.0, growth_interval=3, hysteresis=2)
+    run_pattern(ours, [0, 0, 1, 1, 0], device)
+    sd = ours.state_dict()
+    assert {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} <= set(sd)
+    ref = torch.amp.GradScaler(device)
+    ref.load_state_dict(sd)
+    assert ref.get_scale() == ours.get_scale() and ref._get_growth_tracker() == ours._get_growth_tracker()
+    run_pattern(ref, [0, 0, 0], device)
+    back = mpfused.GradScaler(device)
+    back.load_state_dict(ref.state_dict())
+    assert back.get_scale() == ref.get_scale() and back._get_growth_tracker() == ref._get_growth_tracker()
+    assert back.get_growth_interval() == 3
+    mirror = mpfused.GradScaler(device)
+    mirror.load_state_dict(sd)
+    assert mirror.state_dict() == sd
+
+
+def test_disabled_scaler_is_a_pass_through(device):
+    scaler = mpfused.GradScaler(device, enabled=False)
+    t = torch.ones(3, device=device)
+    assert scaler.scale(t) is t and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = FusedSGD([p], lr=1.0)
+    p.grad = torch.ones_like(p)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.zeros(2, device=device))
+
+
+def test_scale_handles_nested_outputs(device):
+    scaler = mpfused.GradScaler(device, init_scale=4.0)
+    a, b, c = (torch.ones(2, device=device) * k for k in (1, 2, 3))
+    out = scaler.scale([a, (b, [c])])
+    assert isinstance(out, list) and isinstance(out[1], tuple)
+    assert out[0].tolist() == [4.0, 4.0] and out[1][1][0].tolist() == [12.0, 12.0]
+    with pytest.raises(ValueError, match="outputs must be a tensor"):
+        scaler.scale({"a": a})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(init_scale=0.0), "init_scale"),
+    (dict(init_scale=float("inf")), "init_scale"),
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(backoff_factor=1.5), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(hysteresis=0), "hysteresis"),
+    (dict(min_scale=4.0, max_scale=2.0), "min_scale"),
+    (dict(init_scale=2.0**30), r"init_scale .* must lie in"),
+])
+def test_invalid_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mpfused.GradScaler("cpu", **kwargs)
+
+
+def test_misuse_raises_like_torch(device):
+    scaler = mpfused.GradScaler(device)
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = FusedSGD([p])
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(opt)
+    scaler.update()
+    with pytest.raises(AssertionError, match="No inf checks"):
+        scaler.update()
+
+
+# ---- distributed: two CPU processes with gloo -------------------------------------------------------
+def _distributed_worker(rank, world, init_file, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = FusedSGD([p], lr=1.0)
+        scaler = mpfused.GradScaler("cpu", init_scale=8.0, process_group=dist.group.WORLD)
+        history = []
+        for it in range(3):
+            opt.zero_grad()
+            # Each rank holds its own shard's gradient; only rank 1 overflows, at iteration 1.
+            g = float(rank + 1) * (float("inf") if (rank == 1 and it == 1) else 1.0)
+            scaler.scale((p * g).sum()).backward()
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            history.append((scaler.get_scale(), norm.item(), p.detach().tolist(), scaler.found_inf().item()))
+        results[rank] = history
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_skip_together_and_clip_by_the_global_norm(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_distributed_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+    r0, r1 = results[0], results[1]
+    # Iteration 1: only rank 1 saw inf, both skipped and both backed off.
+    for h in (r0, r1):
+        assert [s for s, *_ in h] == [8.0, 4.0, 4.0]
+        assert [f for *_, f in h] == [0.0, 1.0, 0.0]
+    # Global norm: rank 0's grad is 1 (4 elements), rank 1's is 2: sqrt(4 * 1 + 4 * 4) = sqrt(20).
+    assert r0[0][1] == pytest.approx(20**0.5, rel=1e-6) and r1[0][1] == pytest.approx(20**0.5, rel=1e-6)
+    coef = 1.0 / (20**0.5 + 1e-6)
+    assert r0[0][2] == pytest.approx([1.0 - 1.0 * coef] * 4, rel=1e-6)
+    assert r1[0][2] == pytest.approx([1.0 - 2.0 * coef] * 4, rel=1e-6)
+    assert r0[1][2] == r0[0][2] and r1[1][2] == r1[0][2]  # the skipped iteration changed nothing
+
+
+# ---- CUDA only -------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_iteration_never_syncs():
+    m = model("cuda").half()
+    opt = FusedAdamW(m.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+    scaler = mpfused.GradScaler("cuda")
+    x, y = torch.randn(8, 12, device="cuda").half(), torch.randint(0, 3, (8,), device="cuda")
+    for it in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(torch.nn.functional.cross_entropy(m(x).float(), y)).backward()
+        if it > 0:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert scaler.found_inf().item() == 0.0
