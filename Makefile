@@ -43,7 +43,7 @@ demo: build
 	$(VPY) -m mpfused.demo
 
 bench: build
-	$(VPY) benchmarks/bench_overflow.py
+	for b in benchmarks/bench_*.py; do PYTHONPATH=. $(VPY) $$b || exit 1; done
 
 # ---- CUDA checks that need no GPU -----------------------------------------------------------------
 cuda-compile:

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the benchmark scripts
 
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a visible CUDA device'"
 MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace
@@ -21,7 +22,7 @@ if command -v "$SANITIZER" >/dev/null; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     "$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes all \
-      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py
+      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py tests/test_optim.py tests/test_scaler.py
   done
 else
   echo "gpu-check: compute-sanitizer not found" >&2

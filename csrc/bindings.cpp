@@ -224,7 +224,13 @@ void check_hyper(double v, const char* name, double lo, bool lo_open, double hi,
 void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& lr_tensor,
                  const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
                  const std::optional<at::Tensor>& clip_sumsq, double max_norm,
-                 const std::optional<at::Tensor>& found_inf, const at::Device& device) {
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
+                 const at::Device& device) {
+  if (grad_scale) {
+    if (inv_scale) fail("pass inv_scale or grad_scale, not both");
+    check_scalar(*grad_scale, "grad_scale", device);
+    a.grad_scale = grad_scale->data_ptr<float>();
+  }
   if (clip_sumsq) {
     check_scalar(*clip_sumsq, "clip_sumsq", device);
     check_hyper(max_norm, "max_norm", 0.0, false, INFINITY, false);
@@ -263,7 +269,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
                 const std::optional<at::Tensor>& clip_sumsq, double max_norm,
-                const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale) {
   check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
   check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, "eps", 0.0, false, INFINITY, false);
@@ -279,7 +285,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, device);
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   run_optim(a, device);
 }
 
@@ -288,7 +294,8 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
                const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening, double weight_decay,
                bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
                const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& clip_sumsq,
-               double max_norm, const std::optional<at::Tensor>& found_inf) {
+               double max_norm, const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& grad_scale) {
   check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
   check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
   check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
@@ -305,7 +312,7 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, device);
+  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   run_optim(a, device);
 }
 

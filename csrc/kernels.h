@@ -70,6 +70,8 @@ struct OptimArgs {
   AdamHyper adam;
   SgdHyper sgd;
   const float* inv_scale;      // nullptr, or one float: gradients are multiplied by it
+  const float* grad_scale;     // nullptr, or one float (the loss scale S, as torch.amp.GradScaler hands
+                               //   it over): gradients are multiplied by float(1 / S) computed in double
   const float* clip_coef;      // nullptr, or one float: then also multiplied by it
   const float* clip_sumsq;     // nullptr, or one float: the gradients' sum of squares; then also
   float max_norm;              //   multiplied by clip_coefficient(*clip_sumsq, max_norm) (core/optim.h)

@@ -110,9 +110,9 @@ def _lr_args(lr):
 
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
-               max_norm=0.0, found_inf=None) -> None:
+               max_norm=0.0, found_inf=None, grad_scale=None) -> None:
     """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
-    gradient times ``inv_scale`` (and ``clip_coef``), the update of the FP32 weight (``masters[i]`` when
+    gradient times ``inv_scale`` (or ``1 / grad_scale``, computed on the device) and ``clip_coef``, the update of the FP32 weight (``masters[i]`` when
     given, else the param itself) and FP32 moments, and the param stored in its dtype. When
     ``found_inf`` != 0 nothing is written, steps included. With ``clip_sumsq`` (the sum of squares of the
     unscaled gradients, on the device) the gradients are also multiplied by torch's clip coefficient
@@ -121,17 +121,18 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, s
     lr_value, lr_tensor = _lr_args(lr)
     _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
                   float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
-                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf)
+                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale)
 
 
 def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
-              maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None) -> None:
+              maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None,
+              grad_scale=None) -> None:
     """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
     never written (torch then sets it to the gradient itself)."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
                  float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef,
-                 clip_sumsq, float(max_norm), found_inf)
+                 clip_sumsq, float(max_norm), found_inf, grad_scale)
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale=None, *, growth_factor,

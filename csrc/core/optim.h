@@ -43,17 +43,19 @@ MPF_HD float fsqrt(float a) {
 #endif
 }
 
+// The factor that unscales the gradients: inv_scale itself, or 1 / grad_scale rounded once from double
+// (exact for the power-of-two scales of dynamic loss scaling).
+MPF_HD float unscale_factor(const float* inv_scale, const float* grad_scale) {
+  if (inv_scale) return *inv_scale;
+  if (grad_scale) return static_cast<float>(1.0 / static_cast<double>(*grad_scale));
+  return 1.f;
+}
+
 // torch.nn.utils.clip_grad_norm_'s coefficient from the sum of squares of the unscaled gradients:
 // min(1, max_norm / (norm + 1e-6)), in FP32 as torch computes it.
 MPF_HD float clip_coefficient(float sumsq, float max_norm) {
   const float coef = fdiv(max_norm, fadd(fsqrt(sumsq), 1e-6f));
   return coef < 1.f ? coef : 1.f;
-}
-
-// torch's lerp: the formula depends on which side of 0.5 the weight is, for accuracy at both ends.
-MPF_HD float lerp(float self, float end, float weight) {
-  return std::fabs(weight) < 0.5f ? fadd(self, fmul(weight, fsub(end, self)))
-                                  : fsub(end, fmul(fsub(end, self), fsub(1.f, weight)));
 }
 
 // Hyperparameters travel as doubles, as Python floats do in torch.optim: scalars derived from them
@@ -68,42 +70,61 @@ struct AdamHyper {
 
 // What one step of one tensor needs, derived from the hyperparameters, lr and the step number.
 struct AdamScalars {
-  float one_minus_beta1;  // lerp weight of the first moment
+  float grad_sign;        // -1 with maximize: an exact sign flip
+  float lerp_weight;      // 1 - beta1, the weight of the first moment's lerp
+  float one_minus_lerp_weight;
+  bool lerp_small;        // |weight| < 0.5: torch's lerp takes its first formula
   float beta2, one_minus_beta2;
   float neg_step_size;    // -lr / (1 - beta1^step)
   float bc2_sqrt;         // sqrt(1 - beta2^step)
   float eps;
   float weight_decay;     // L2 (Adam)
-  float decay;            // 1 - lr * weight_decay (AdamW)
+  float decay;            // 1 - lr * weight_decay (AdamW); exactly 1 without weight decay
 };
 
 MPF_HD AdamScalars adam_scalars(const AdamHyper& h, double lr, double step) {
   const double bc1 = 1.0 - pow(h.beta1, step);
   const double bc2 = 1.0 - pow(h.beta2, step);
   AdamScalars c;
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.grad_sign = h.maximize ? -1.f : 1.f;
+  c.lerp_weight = static_cast<float>(1.0 - h.beta1);
+  c.one_minus_lerp_weight = fsub(1.f, c.lerp_weight);
+  c.lerp_small = std::fabs(c.lerp_weight) < 0.5f;
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   c.neg_step_size = static_cast<float>(-(lr / bc1));
   c.bc2_sqrt = static_cast<float>(sqrt(bc2));
   c.eps = static_cast<float>(h.eps);
   c.weight_decay = static_cast<float>(h.weight_decay);
-  c.decay = static_cast<float>(1.0 - lr * h.weight_decay);
+  c.decay = h.decoupled ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.f;
   return c;
+}
+
+// Which branches of the update apply. The CPU instantiates them at compile time (its loops then
+// vectorise); CUDA passes AdamRuntimeVariant, whose branches are uniform across a launch.
+template <bool kL2, bool kLerpSmall, bool kAmsgrad>
+struct AdamStaticVariant {
+  static constexpr bool l2 = kL2, lerp_small = kLerpSmall, amsgrad = kAmsgrad;
+};
+struct AdamRuntimeVariant {
+  bool l2, lerp_small, amsgrad;
+};
+MPF_HD AdamRuntimeVariant adam_variant(const AdamHyper& h, const AdamScalars& c) {
+  return AdamRuntimeVariant{!h.decoupled && h.weight_decay != 0.0, c.lerp_small, h.amsgrad};
 }
 
 // One element. p is the FP32 weight (the master copy when there is one), g the unscaled gradient.
 // vmax is read and written only with amsgrad. References, not pointers: kernels keep all in registers.
-MPF_HD void adam_update(float& p, float& m, float& v, float& vmax, float g, const AdamHyper& h, const AdamScalars& c) {
-  if (h.maximize) g = -g;
-  if (h.weight_decay != 0.0) {
-    if (h.decoupled) p = fmul(p, c.decay);
-    else g = fadd(g, fmul(c.weight_decay, p));
-  }
-  m = lerp(m, g, c.one_minus_beta1);
+template <class V>
+MPF_HD void adam_update(float& p, float& m, float& v, float& vmax, float g, const V& var, const AdamScalars& c) {
+  g = fmul(g, c.grad_sign);
+  if (var.l2) g = fadd(g, fmul(c.weight_decay, p));
+  else p = fmul(p, c.decay);  // AdamW's decoupled decay; x * 1 == x exactly without weight decay
+  // torch's lerp, formula chosen by the weight for accuracy at both ends
+  m = var.lerp_small ? fadd(m, fmul(c.lerp_weight, fsub(g, m))) : fsub(g, fmul(fsub(g, m), c.one_minus_lerp_weight));
   v = fadd(fmul(v, c.beta2), fmul(fmul(c.one_minus_beta2, g), g));
   float second = v;
-  if (h.amsgrad) {
+  if (var.amsgrad) {
     vmax = vmax > v ? vmax : v;  // torch.maximum; NaN handling is moot: a NaN step is skipped
     second = vmax;
   }
@@ -118,23 +139,35 @@ struct SgdHyper {
 };
 
 struct SgdScalars {
-  float momentum, one_minus_dampening, weight_decay, neg_lr;
+  float grad_sign, momentum, one_minus_dampening, weight_decay, neg_lr;
 };
 
 MPF_HD SgdScalars sgd_scalars(const SgdHyper& h, double lr) {
-  return SgdScalars{static_cast<float>(h.momentum), static_cast<float>(1.0 - h.dampening),
+  return SgdScalars{h.maximize ? -1.f : 1.f, static_cast<float>(h.momentum), static_cast<float>(1.0 - h.dampening),
                     static_cast<float>(h.weight_decay), static_cast<float>(-lr)};
+}
+
+template <bool kWeightDecay, bool kMomentum, bool kNesterov>
+struct SgdStaticVariant {
+  static constexpr bool weight_decay = kWeightDecay, momentum = kMomentum, nesterov = kNesterov;
+};
+struct SgdRuntimeVariant {
+  bool weight_decay, momentum, nesterov;
+};
+MPF_HD SgdRuntimeVariant sgd_variant(const SgdHyper& h) {
+  return SgdRuntimeVariant{h.weight_decay != 0.0, h.momentum != 0.0, h.nesterov};
 }
 
 // first_step: the momentum buffer has never been written (torch then sets it to the gradient itself).
 // buf is read and written only with momentum.
-MPF_HD void sgd_update(float& p, float& buf, float g, const SgdHyper& h, const SgdScalars& c, bool first_step) {
-  if (h.maximize) g = -g;
-  if (h.weight_decay != 0.0) g = fadd(g, fmul(c.weight_decay, p));
-  if (h.momentum != 0.0) {
+template <class V>
+MPF_HD void sgd_update(float& p, float& buf, float g, const V& var, const SgdScalars& c, bool first_step) {
+  g = fmul(g, c.grad_sign);
+  if (var.weight_decay) g = fadd(g, fmul(c.weight_decay, p));
+  if (var.momentum) {
     const float b = first_step ? g : fadd(fmul(buf, c.momentum), fmul(c.one_minus_dampening, g));
     buf = b;
-    g = h.nesterov ? fadd(g, fmul(c.momentum, b)) : b;
+    g = var.nesterov ? fadd(g, fmul(c.momentum, b)) : b;
   }
   p = fadd(p, fmul(c.neg_lr, g));
 }

@@ -43,6 +43,7 @@ struct OptimConsts {
   double lr;
   const float* lr_ptr;
   const float* inv_scale;
+  const float* grad_scale;
   const float* clip_coef;
   const float* clip_sumsq;
   float max_norm;
@@ -65,15 +66,17 @@ struct alignas(sizeof(T) * N) Pack {
 // Per-tensor values shared by the block: the update's scalars and whether SGD's buffer is unset.
 struct TensorScalars {
   AdamScalars adam;
+  AdamRuntimeVariant adam_variant;
   SgdScalars sgd;
+  SgdRuntimeVariant sgd_variant;
   bool first_step;
 };
 
 template <OptimKind K>
 __device__ __forceinline__ void update(float& p, float& s0, float& s1, float& s2, float g, const OptimConsts& c,
                                        const TensorScalars& ts) {
-  if constexpr (K == OptimKind::kAdam) adam_update(p, s0, s1, s2, g, c.adam, ts.adam);
-  else sgd_update(p, s0, g, c.sgd, ts.sgd, ts.first_step);
+  if constexpr (K == OptimKind::kAdam) adam_update(p, s0, s1, s2, g, ts.adam_variant, ts.adam);
+  else sgd_update(p, s0, g, ts.sgd_variant, ts.sgd, ts.first_step);
 }
 
 template <DType D, OptimKind K>
@@ -147,10 +150,15 @@ __global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constan
   const double lr = c.lr_ptr ? static_cast<double>(*c.lr_ptr) : c.lr;
   const float step = a.step[slot] ? *a.step[slot] : 0.f;
   TensorScalars ts;
-  if constexpr (K == OptimKind::kAdam) ts.adam = adam_scalars(c.adam, lr, static_cast<double>(step) + 1.0);
-  else ts.sgd = sgd_scalars(c.sgd, lr);
+  if constexpr (K == OptimKind::kAdam) {
+    ts.adam = adam_scalars(c.adam, lr, static_cast<double>(step) + 1.0);
+    ts.adam_variant = adam_variant(c.adam, ts.adam);
+  } else {
+    ts.sgd = sgd_scalars(c.sgd, lr);
+    ts.sgd_variant = sgd_variant(c.sgd);
+  }
   ts.first_step = step == 0.f;
-  const float gmul = c.inv_scale ? *c.inv_scale : 1.f;
+  const float gmul = unscale_factor(c.inv_scale, c.grad_scale);
   float clip = c.clip_coef ? *c.clip_coef : 1.f;
   if (c.clip_sumsq) clip = fmul(clip, clip_coefficient(*c.clip_sumsq, c.max_norm));
   switch (static_cast<DType>(a.dtype[slot])) {
@@ -172,7 +180,8 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
-  const OptimConsts consts{a.adam, a.sgd, a.lr, a.lr_ptr, a.inv_scale, a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf};
+  const OptimConsts consts{a.adam,      a.sgd,      a.lr,         a.lr_ptr,   a.inv_scale, a.grad_scale,
+                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf};
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {

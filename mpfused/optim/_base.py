@@ -118,12 +118,14 @@ class FusedOptimizer(Optimizer):
 
         def device_scalars(device: torch.device):
             if device not in per_device:
-                inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
-                if grad_scale is not None:
-                    # torch's scaler hands over the scale; powers of two make 1/S exact
-                    inv = grad_scale.to(device, non_blocking=True).double().reciprocal().float()
+                # torch's scaler hands over the scale S itself; the kernel computes 1/S on the device.
+                unscale = {}
+                if inv_scale is not None:
+                    unscale["inv_scale"] = inv_scale.to(device, non_blocking=True)
+                elif grad_scale is not None:
+                    unscale["grad_scale"] = grad_scale.to(device, dtype=torch.float32, non_blocking=True).reshape(1)
                 per_device[device] = (
-                    inv,
+                    unscale,
                     (clip[0].to(device, non_blocking=True), clip[1]) if clip is not None else None,
                     found_inf.to(device, dtype=torch.float32, non_blocking=True).reshape(1) if found_inf is not None else None,
                 )
@@ -143,8 +145,8 @@ class FusedOptimizer(Optimizer):
                 self._fused_step(group, ps, grads, states, lr, inv, clip, found)
         return loss
 
-    def _fused_step(self, group, params, grads, states, lr, inv_scale, clip, found_inf) -> None:
-        """clip: None, or (sum of squares tensor, max_norm)."""
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf) -> None:
+        """unscale: {} or {"inv_scale": t} or {"grad_scale": t}; clip: None or (sum of squares, max_norm)."""
         raise NotImplementedError
 
     # ---- state dict ---------------------------------------------------------------------------------

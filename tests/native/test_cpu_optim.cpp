@@ -40,7 +40,7 @@ int main() {
     CHECK(step == s + 1.f, "step %g after %d steps", step, s + 1);
     for (int64_t i = 0; i < n; ++i) {
       const float g = fmul(fmul(f16_bits_to_float(grad[i]), inv), 1.f);
-      adam_update(rm[i], rmm[i], rv[i], rvmax[i], g, a.adam, sc);
+      adam_update(rm[i], rmm[i], rv[i], rvmax[i], g, adam_variant(a.adam, sc), sc);
       CHECK(rm[i] == master[i] && rmm[i] == m[i] && rv[i] == v[i] && rvmax[i] == vmax[i], "element %lld step %d", (long long)i, s);
       CHECK(param[i] == float_to_f16_bits(master[i]), "param copy of element %lld", (long long)i);
       if (rm[i] != master[i]) break;
