@@ -52,10 +52,11 @@ MPF_HD float unscale_factor(const float* inv_scale, const float* grad_scale) {
 }
 
 // torch.nn.utils.clip_grad_norm_'s coefficient from the sum of squares of the unscaled gradients:
-// min(1, max_norm / (norm + 1e-6)), in FP32 as torch computes it.
+// min(1, max_norm / (norm + 1e-6)) in FP32 (torch multiplies by a reciprocal: within 1 ulp of it).
+// A NaN norm gives a NaN coefficient, as torch's clamp does.
 MPF_HD float clip_coefficient(float sumsq, float max_norm) {
   const float coef = fdiv(max_norm, fadd(fsqrt(sumsq), 1e-6f));
-  return coef < 1.f ? coef : 1.f;
+  return !(coef >= 1.f) ? coef : 1.f;
 }
 
 // Hyperparameters travel as doubles, as Python floats do in torch.optim: scalars derived from them
@@ -82,6 +83,8 @@ struct AdamScalars {
   float decay;            // 1 - lr * weight_decay (AdamW); exactly 1 without weight decay
 };
 
+// CUDA's double pow() is within 2 ulp, glibc's (and CPython's) correctly rounded: on rare steps the
+// bias-correction scalars can differ by one FP32 ulp between the backends.
 MPF_HD AdamScalars adam_scalars(const AdamHyper& h, double lr, double step) {
   const double bc1 = 1.0 - pow(h.beta1, step);
   const double bc2 = 1.0 - pow(h.beta2, step);
@@ -96,7 +99,12 @@ MPF_HD AdamScalars adam_scalars(const AdamHyper& h, double lr, double step) {
   c.bc2_sqrt = static_cast<float>(sqrt(bc2));
   c.eps = static_cast<float>(h.eps);
   c.weight_decay = static_cast<float>(h.weight_decay);
+#if defined(__CUDA_ARCH__)
+  // A separately rounded multiply and subtract, as on the host and in Python (nvcc would fuse them).
+  c.decay = h.decoupled ? static_cast<float>(__dadd_rn(1.0, -__dmul_rn(lr, h.weight_decay))) : 1.f;
+#else
   c.decay = h.decoupled ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.f;
+#endif
   return c;
 }
 

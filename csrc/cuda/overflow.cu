@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     __syncthreads();
     if (is_last) {
+      __threadfence();  // acquire side: order the reads of the partials after the counter
       double d = 0.0;
       for (unsigned i = threadIdx.x; i < gridDim.x; i += kThreads) d += static_cast<double>(__ldcg(partials + i));
       d = block_sum<double, kThreads>(d);
