@@ -104,6 +104,9 @@ class GradScaler:
     def _lazy_init(self) -> None:
         if self._scale is not None:
             return
+        if self._device.type == "cuda" and self._device.index is None:
+            # "cuda" means the current device; compare grads against cuda:N, not against "cuda"
+            self._device = torch.device("cuda", torch.cuda.current_device())
         d = self._device
         self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=d)
         self._inv_scale = self._scale.double().reciprocal().float()
@@ -140,6 +143,7 @@ class GradScaler:
     def _grad_pass(self, optimizer, *, unscale: bool, sumsq: bool, scaled: bool = True) -> None:
         """One multi-tensor pass per device: found_inf, optionally the sum of squares of the unscaled
         gradients, optionally the unscale in place; then the cross-rank reductions."""
+        self._lazy_init()
         state = self._per_optimizer[id(optimizer)]
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         total = torch.zeros(1, dtype=torch.float32, device=self._device) if sumsq else None

@@ -24,9 +24,9 @@ struct OverflowMode {
 
 // `bad` is any unsigned integer: it is OR-ed with 1 when x is non-finite (the CPU keeps it as wide
 // as the data so that vector loops need no widening).
-// S is the storage access: Storage<D> by default; the CPU passes an ISA-specific one with the same bits.
-template <DType D, class Mode, class S = Storage<D>, class Flag>
+template <DType D, class Mode, class Flag>
 MPF_HD void overflow_step(typename Storage<D>::type& x, float inv_scale, Flag& bad, float& acc) {
+  using S = Storage<D>;
   bad |= static_cast<Flag>(S::nonfinite_bits(x) == S::kExpMask);
   if (Mode::kSumsq || Mode::kUnscale) {
     float v = S::load(x);

@@ -23,9 +23,6 @@ struct StepConsts {
 };
 
 #define MPF_CPU_IMPL_NS baseline
-namespace MPF_CPU_IMPL_NS {
-#include "storage_impl.inc"
-}
 #include "optim_impl.inc"
 #undef MPF_CPU_IMPL_NS
 
@@ -33,11 +30,6 @@ namespace MPF_CPU_IMPL_NS {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MPF_CPU_IMPL_NS avx2
-#define MPF_CPU_F16C 1
-namespace MPF_CPU_IMPL_NS {
-#include "storage_impl.inc"
-}
-#undef MPF_CPU_F16C
 #include "optim_impl.inc"
 #undef MPF_CPU_IMPL_NS
 #pragma GCC pop_options
