@@ -143,7 +143,6 @@ class GradScaler:
     def _grad_pass(self, optimizer, *, unscale: bool, sumsq: bool, scaled: bool = True) -> None:
         """One multi-tensor pass per device: found_inf, optionally the sum of squares of the unscaled
         gradients, optionally the unscale in place; then the cross-rank reductions."""
-        self._lazy_init()
         state = self._per_optimizer[id(optimizer)]
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         total = torch.zeros(1, dtype=torch.float32, device=self._device) if sumsq else None
@@ -198,6 +197,9 @@ class GradScaler:
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
+        if not self._enabled and self._process_group is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         if self._enabled:
             self._lazy_init()
         fused = isinstance(optimizer, FusedOptimizer)

@@ -191,10 +191,12 @@ def test_disabled_scaler_is_a_pass_through(device):
     assert scaler.scale(t) is t and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
     p = torch.nn.Parameter(torch.ones(2, device=device))
     opt = FusedSGD([p], lr=1.0)
-    p.grad = torch.ones_like(p)
+    p.grad = torch.full_like(p, 3.0)
+    norm = scaler.clip_grad_norm_(opt, 1e9)
+    assert norm.item() == pytest.approx(18**0.5)
     scaler.step(opt)
     scaler.update()
-    assert torch.equal(p.detach(), torch.zeros(2, device=device))
+    assert torch.equal(p.detach(), torch.full((2,), -2.0, device=device))
 
 
 def test_scale_handles_nested_outputs(device):
