@@ -10,6 +10,10 @@
 #include "../kernels.h"
 #include "isa.h"
 
+#if MPF_HAVE_AVX2_CLONES
+#include <immintrin.h>
+#endif
+
 namespace mpf {
 namespace {
 
@@ -23,14 +27,18 @@ struct StepConsts {
 };
 
 #define MPF_CPU_IMPL_NS baseline
+#define MPF_CPU_F16C 0
 #include "optim_impl.inc"
+#undef MPF_CPU_F16C
 #undef MPF_CPU_IMPL_NS
 
 #if MPF_HAVE_AVX2_CLONES
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MPF_CPU_IMPL_NS avx2
+#define MPF_CPU_F16C 1
 #include "optim_impl.inc"
+#undef MPF_CPU_F16C
 #undef MPF_CPU_IMPL_NS
 #pragma GCC pop_options
 #endif
