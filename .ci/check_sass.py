@@ -23,10 +23,24 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# kernel-name pattern -> (description, SASS regex) that every arch's code of that kernel must contain.
-RULES: list[tuple[str, str, str]] = [
-    (r"overflow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b"),
-    (r"optim_kernel", "128-bit global loads", r"\bLDG\.E\.128\b"),
+# (kernel-name pattern, what, SASS regex, archs): every listed arch's code of a matching kernel must
+# contain the regex. archs: a predicate on the SM number (75, 80, ...).
+ALL = lambda sm: True  # noqa: E731
+RULES: list[tuple[str, str, str, object]] = [
+    (r"overflow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
+    (r"optim_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
+    # Tensor-core MMAs that accumulate in FP32 (HMMA.1688.F32 on sm_75, HMMA.16816.F32 on sm_80+).
+    (r"gemm_kernel<__half,", "HMMA with F32 accumulation", r"\bHMMA\.\d+\.F32\b", ALL),
+    (r"gemm_kernel<__nv_bfloat16,", "HMMA BF16 with F32 accumulation", r"\bHMMA\.\d+\.F32\.BF16\b",
+     lambda sm: sm >= 80),
+    # BF16 fragments need sm_80: on sm_75 the BF16 kernels are a trap the launcher never reaches.
+    (r"gemm_kernel<__nv_bfloat16,", "trap (no BF16 MMA below sm_80)", r"\bBPT\.TRAP\b", lambda sm: sm < 80),
+    # The vector path: cp.async (LDGSTS) on sm_80+, 128-bit loads on sm_75.
+    (r"gemm_kernel<__half, \w+, \w+, true>", "cp.async 128-bit copies", r"\bLDGSTS\.E\.BYPASS\.128\b",
+     lambda sm: sm >= 80),
+    (r"gemm_kernel<__nv_bfloat16, \w+, \w+, true>", "cp.async 128-bit copies",
+     r"\bLDGSTS\.E\.BYPASS\.128\b", lambda sm: sm >= 80),
+    (r"gemm_kernel<__half, \w+, \w+, true>", "128-bit global loads", r"\bLDG\.E\.128\b", lambda sm: sm < 80),
 ]
 DEFAULT_ARCHS = "75,80,86,89,90"
 
@@ -135,8 +149,8 @@ def main() -> int:
             if k.local or local_ops:
                 errors.append(f"sm_{arch} {name}: local memory {k.local} B, {local_ops} LDL/STL (spills)")
                 status.append("SPILLS")
-            for pattern, what, sass_re in RULES:
-                if re.search(pattern, k.name) or re.search(pattern, name):
+            for pattern, what, sass_re, archs in RULES:
+                if (re.search(pattern, k.name) or re.search(pattern, name)) and archs(int(arch)):
                     if not any(re.search(sass_re, ln) for ln in k.sass):
                         errors.append(f"sm_{arch} {name}: no {what} ({sass_re})")
                         status.append(f"NO {what}")

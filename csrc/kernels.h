@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "core/gemm.h"
 #include "core/loss_scale.h"
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
@@ -95,10 +96,37 @@ struct LossScaleArgs {
 
 void loss_scale_update_cpu(const LossScaleArgs& args);
 
+// ---- GEMM: FP16/BF16 inputs, FP32 accumulation, fused epilogue (core/gemm.h) ------------------
+// out[b] = act(alpha * a[b] @ b[b] + beta * c[b] + bias), for b < batch; a (m, k), b (k, n).
+struct GemmArgs {
+  int64_t batch, m, n, k;   // batch >= 1; m, n >= 1; k >= 0 (k == 0: the product is zero)
+  MatrixRef a;              // FP16 or BF16
+  MatrixRef b;              // the dtype of a
+  MatrixRef c;              // c.data == nullptr, or (m, n) of any storage dtype; read only when beta != 0
+  const void* bias;         // nullptr, or n elements of bias_dtype
+  DType bias_dtype;
+  float alpha, beta;
+  Activation activation;
+  void* out;                // (batch, m, n), row-major, contiguous, out_dtype
+  DType out_dtype;
+  void* pre_activation;     // nullptr, or like out: the value before the activation (for backward)
+};
+
+MPF_HD EpilogueScalars epilogue_scalars(const GemmArgs& g) {
+  return EpilogueScalars{g.alpha, g.beta, g.c.data != nullptr && g.beta != 0.0f, g.bias != nullptr, g.activation};
+}
+
+// CPU: the accumulator acc (batch, m, n), FP32 row-major, comes from an FP32 GEMM of the exactly widened
+// inputs (bindings.cpp uses ATen's); this applies the epilogue and writes out (and pre_activation).
+// With out_dtype FP32, out may be acc itself: the epilogue is then applied in place.
+void gemm_epilogue_cpu(const float* acc, const GemmArgs& args, int num_threads);
+
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
 void optim_step_cuda(const OptimArgs& args, void* stream);
 void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
+// Throws std::runtime_error with a message for the user (e.g. BF16 on a GPU older than sm_80).
+void gemm_cuda(const GemmArgs& args, void* stream);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

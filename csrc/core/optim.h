@@ -9,39 +9,9 @@
 #include <cmath>
 
 #include "numeric.h"
+#include "rounding.h"
 
 namespace mpf {
-
-// IEEE single-precision operations that the compiler may not fuse into an FMA.
-MPF_HD float fmul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;  // host code is built with -ffp-contract=off
-#endif
-}
-MPF_HD float fadd(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-MPF_HD float fsub(float a, float b) { return fadd(a, -b); }
-MPF_HD float fdiv(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-MPF_HD float fsqrt(float a) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
-#else
-  return std::sqrt(a);
-#endif
-}
 
 // The factor that unscales the gradients: inv_scale itself, or 1 / grad_scale rounded once from double
 // (exact for the power-of-two scales of dynamic loss scaling).

@@ -1,0 +1,404 @@
+// Tensor-core GEMM: FP16/BF16 inputs, FP32 accumulation (nvcuda::wmma 16x16x16), fused epilogue.
+//
+// One block computes a kGemmBlockM x kGemmBlockN tile of the output with 8 warps in a 2 x 4 grid, each
+// warp a 64 x 32 tile (4 x 2 accumulator fragments). The K dimension is walked kGemmBlockK at a time
+// through a kStages-deep ring of shared-memory stages:
+//   - vector path (both operands 16-byte aligned along their contiguous dimension, core/gemm.h):
+//     128-bit copies; on sm_80+ cp.async, so that the copies of the next stages overlap the MMAs of
+//     this one; on sm_75 plain 128-bit loads and stores;
+//   - element path (any leading dimension): 16-bit loads, still through the same stages.
+// Tails in M, N and K are zero-filled on the way into shared memory (cp.async's src-size), so the MMAs
+// never branch. Each operand tile is staged in its own global layout (row- or column-major), padded by
+// 8 elements per row against bank conflicts, and read with the matching wmma layout: a transposed view
+// costs nothing.
+//
+// Epilogue: each warp moves its accumulators, two fragments (16 x 32) at a time, through its own slice
+// of shared memory; each lane then owns 16 consecutive outputs of a row, applies core/gemm.h's
+// epilogue (alpha, beta * C, bias, activation) in FP32, rounds once, and writes them with 128-bit
+// stores when the row is complete and aligned, element by element otherwise.
+//
+// BF16 fragments exist on sm_80+ only: the BF16 kernels compile to a trap on sm_75, and the launcher
+// refuses BF16 on such a GPU before launching.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <string>
+#include <type_traits>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace mpf {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 256;
+constexpr int kWarpsM = 2, kWarpsN = 4;
+constexpr int kWarpM = kGemmBlockM / kWarpsM;  // 64
+constexpr int kWarpN = kGemmBlockN / kWarpsN;  // 32
+constexpr int kFragsM = kWarpM / 16;           // 4
+constexpr int kFragsN = kWarpN / 16;           // 2
+constexpr int kStages = 3;
+constexpr int kPad = 8;  // elements added to every shared-memory row: 16 bytes
+static_assert(kWarpsM * kWarpsN * 32 == kThreads, "one warp per warp tile");
+static_assert(kGemmBlockK % 16 == 0 && kGemmBlockK % 8 == 0, "K tile: whole fragments and whole vectors");
+
+// A shared-memory tile of kRows x kCols elements, contiguous along kCols, rows padded.
+template <int kRows, int kCols>
+struct SmemTile {
+  static constexpr int kLd = kCols + kPad;
+  static constexpr int kElems = kRows * kLd;
+};
+
+// The operand tiles of one stage, in each operand's own layout.
+//   A row-major (m, k): [BM][BK];  A col-major: [BK][BM]
+//   B row-major (k, n): [BK][BN];  B col-major: [BN][BK]
+template <bool kColMajor, int kOuter, int kInner>  // row-major: kOuter rows of kInner contiguous
+using OperandTile = std::conditional_t<kColMajor, SmemTile<kInner, kOuter>, SmemTile<kOuter, kInner>>;
+template <bool kACol>
+using ATile = OperandTile<kACol, kGemmBlockM, kGemmBlockK>;
+template <bool kBCol>
+using BTile = OperandTile<!kBCol, kGemmBlockN, kGemmBlockK>;  // B row-major is (k, n): [BK][BN]
+
+template <bool kACol, bool kBCol>
+constexpr int kStageElems = ATile<kACol>::kElems + BTile<kBCol>::kElems;
+
+// Epilogue staging: per warp, 16 rows x (2 fragments + 4 floats of padding).
+constexpr int kEpiLd = kWarpN + 4;
+constexpr int kEpiFloatsPerWarp = 16 * kEpiLd;
+
+template <bool kACol, bool kBCol>
+constexpr size_t smem_bytes() {
+  const size_t pipeline = size_t{kStages} * kStageElems<kACol, kBCol> * 2;
+  const size_t epilogue = size_t{kThreads / 32} * kEpiFloatsPerWarp * sizeof(float);
+  return pipeline > epilogue ? pipeline : epilogue;
+}
+static_assert(smem_bytes<false, false>() <= 64 * 1024 && smem_bytes<true, true>() <= 64 * 1024 &&
+                  smem_bytes<true, false>() <= 64 * 1024 && smem_bytes<false, true>() <= 64 * 1024,
+              "the stages must fit sm_75's 64 KB of shared memory per block");
+
+// ---- global -> shared copies ----------------------------------------------------------------------
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// 16 bytes, of which the first `bytes` come from src and the rest are zero.
+__device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+#else
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (bytes == 16) {
+    v = *reinterpret_cast<const uint4*>(src);
+  } else {  // a tail: element by element, never reading past the operand
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (2 * i < bytes) w[i / 2] |= static_cast<uint32_t>(src[i]) << (16 * (i % 2));
+    v = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  *reinterpret_cast<uint4*>(dst) = v;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+// Copies one operand's tiles, stage after stage, into shared memory. The tile is kRows x kCols,
+// contiguous along columns in global memory (row stride ld) as in shared memory; the K dimension runs
+// along the rows (kKRows: A column-major, B row-major) or along the columns (A row-major, B
+// column-major). Elements past the operand's edge are zero-filled. Per thread, the state is one pointer
+// that advances by one K tile per stage and the bounds of the fixed (M or N) dimension, so that the
+// main loop keeps its registers for the accumulators.
+template <int kRows, int kCols, bool kKRows, bool kVector>
+struct TileCopier {
+  static constexpr int kLd = SmemTile<kRows, kCols>::kLd;
+  static constexpr int kPerThread = kVector ? 8 : 1;  // elements per copy
+  static constexpr int kPerRow = kCols / kPerThread;  // copies per row
+  static constexpr int kRowStep = kThreads / kPerRow;  // rows between one thread's copies
+  static constexpr int kCopies = kRows / kRowStep;
+  static_assert(kThreads % kPerRow == 0 && kRows % kRowStep == 0, "the copies tile the tile exactly");
+
+  const uint16_t* src;  // this thread's first copy in the current tile
+  int64_t ld;
+  int64_t k_step;       // elements src advances per K tile
+  int64_t fixed_left;   // kKRows: columns left in the fixed dimension (from this thread's column);
+                        // else: rows left (from this thread's first row)
+  int row, col;         // of this thread's first copy, in the tile
+
+  // tile_origin: the operand's element at (row 0, column 0) of the first K tile.
+  __device__ __forceinline__ TileCopier(const uint16_t* tile_origin, int64_t ld_, int64_t rows_total_fixed_left,
+                                        int64_t cols_total_fixed_left)
+      : ld(ld_), k_step(kKRows ? int64_t{kGemmBlockK} * ld_ : kGemmBlockK) {
+    row = static_cast<int>(threadIdx.x) / kPerRow;
+    col = static_cast<int>(threadIdx.x) % kPerRow * kPerThread;
+    src = tile_origin + row * ld + col;
+    fixed_left = kKRows ? cols_total_fixed_left - col : rows_total_fixed_left - row;
+  }
+
+  // Copies the tile whose K extent left is k_left (K - k0) into dst, then advances to the next K tile.
+  // `valid` is any address inside the operand: a copy of zero bytes still names a source address.
+  __device__ __forceinline__ void copy(uint16_t* dst, int64_t k_left, const void* valid) {
+    // The extent of this thread's copies along K: rows (kKRows) or columns.
+    const int64_t k_here = kKRows ? k_left - row : k_left - col;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int64_t rows_in = kKRows ? k_here - i * kRowStep : fixed_left - i * kRowStep;  // > 0: row exists
+      const int64_t cols_in = kKRows ? fixed_left : k_here;                                // columns from col
+      const uint16_t* s = src + i * kRowStep * ld;
+      uint16_t* d = dst + (row + i * kRowStep) * kLd + col;
+      if constexpr (kVector) {
+        const int bytes = rows_in <= 0 ? 0 : cols_in >= 8 ? 16 : cols_in > 0 ? static_cast<int>(cols_in) * 2 : 0;
+        copy16(d, bytes > 0 ? s : static_cast<const uint16_t*>(valid), bytes);
+      } else {
+        *d = rows_in > 0 && cols_in > 0 ? *s : uint16_t{0};
+      }
+    }
+    src += k_step;
+  }
+};
+
+// ---- fragments per layout --------------------------------------------------------------------------
+template <typename T, bool kCol>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, std::conditional_t<kCol, wmma::col_major, wmma::row_major>>;
+template <typename T, bool kCol>
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, std::conditional_t<kCol, wmma::col_major, wmma::row_major>>;
+using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+struct KernelParams {
+  GemmArgs g;
+  int64_t tiles_m, tiles_n;
+  bool out_vector;  // rows of out (and pre_activation) start 16-byte aligned
+};
+
+__device__ __forceinline__ uint32_t pack2(DType d, float lo, float hi) {
+  const uint32_t l = d == DType::kFloat16 ? float_to_f16_bits(lo) : float_to_bf16_bits(lo);
+  const uint32_t h = d == DType::kFloat16 ? float_to_f16_bits(hi) : float_to_bf16_bits(hi);
+  return l | (h << 16);
+}
+
+// 8 consecutive outputs of one row, of which the first `count` exist: 128-bit stores when the segment
+// is complete and aligned, element stores otherwise.
+__device__ __forceinline__ void store_row8(void* base, DType d, int64_t offset, const float (&v)[8], int count,
+                                           bool vector) {
+  if (vector && count == 8) {
+    if (d == DType::kFloat32) {
+      float4* p = reinterpret_cast<float4*>(static_cast<float*>(base) + offset);
+      p[0] = make_float4(v[0], v[1], v[2], v[3]);
+      p[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + offset) =
+          make_uint4(pack2(d, v[0], v[1]), pack2(d, v[2], v[3]), pack2(d, v[4], v[5]), pack2(d, v[6], v[7]));
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (e < count) store_any(base, offset + e, d, v[e]);
+}
+
+template <typename T, bool kACol, bool kBCol, bool kVector>
+__device__ __forceinline__ void gemm_body(const KernelParams& kp) {
+  using ATileT = ATile<kACol>;
+  using BTileT = BTile<kBCol>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  uint16_t* smem = reinterpret_cast<uint16_t*>(smem_raw);
+  const GemmArgs& g = kp.g;
+  const EpilogueScalars es = epilogue_scalars(g);
+
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  int64_t tile_m, tile_n;
+  gemm_tile_of_block(blockIdx.x, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
+  const int64_t m0 = tile_m * kGemmBlockM, n0 = tile_n * kGemmBlockN;
+  const int64_t k_tiles = (g.k + kGemmBlockK - 1) / kGemmBlockK;
+
+  for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
+    const uint16_t* a = static_cast<const uint16_t*>(g.a.data) + batch * g.a.batch_stride;
+    const uint16_t* b = static_cast<const uint16_t*>(g.b.data) + batch * g.b.batch_stride;
+
+    // A is (m, k): column-major means stored (k, m), K along the rows. B is (k, n): row-major means
+    // stored (k, n), K along the rows.
+    using ACopier = std::conditional_t<kACol, TileCopier<kGemmBlockK, kGemmBlockM, true, kVector>,
+                                       TileCopier<kGemmBlockM, kGemmBlockK, false, kVector>>;
+    using BCopier = std::conditional_t<kBCol, TileCopier<kGemmBlockN, kGemmBlockK, false, kVector>,
+                                       TileCopier<kGemmBlockK, kGemmBlockN, true, kVector>>;
+    ACopier copy_a(kACol ? a + m0 : a + m0 * g.a.ld, g.a.ld, g.m - m0, g.m - m0);
+    BCopier copy_b(kBCol ? b + n0 * g.b.ld : b + n0, g.b.ld, g.n - n0, g.n - n0);
+    // Stage s of the ring: A tile, then B tile; k tiles are loaded in order.
+    int64_t k_loaded = 0;
+    auto load_stage = [&](int stage) {
+      uint16_t* sa = smem + stage * kStageElems<kACol, kBCol>;
+      copy_a.copy(sa, g.k - k_loaded, g.a.data);
+      copy_b.copy(sa + ATileT::kElems, g.k - k_loaded, g.b.data);
+      k_loaded += kGemmBlockK;
+    };
+
+    FragAcc acc[kFragsM][kFragsN];
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < k_tiles) load_stage(s);
+      cp_async_commit();  // an empty group keeps the count of groups in step with the stages
+    }
+
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();  // stage kt has landed (for this thread) ...
+      __syncthreads();               // ... for every thread, and stage kt-1 is no longer being read
+      const int64_t next = kt + kStages - 1;
+      if (next < k_tiles) load_stage(static_cast<int>(next % kStages));
+      cp_async_commit();
+
+      const uint16_t* sa = smem + static_cast<int>(kt % kStages) * kStageElems<kACol, kBCol>;
+      const uint16_t* sb = sa + ATileT::kElems;
+#pragma unroll
+      for (int kk = 0; kk < kGemmBlockK; kk += 16) {
+        // B fragments for the whole warp tile, then one A fragment at a time: 64 accumulator + 16 + 8
+        // fragment registers stay within the 128 that two blocks per SM allow.
+        FragB<T, kBCol> fb[kFragsN];
+#pragma unroll
+        for (int j = 0; j < kFragsN; ++j) {
+          const int col = warp_n * kWarpN + j * 16;
+          const uint16_t* p = kBCol ? sb + col * BTileT::kLd + kk : sb + kk * BTileT::kLd + col;
+          wmma::load_matrix_sync(fb[j], reinterpret_cast<const T*>(p), BTileT::kLd);
+        }
+#pragma unroll
+        for (int i = 0; i < kFragsM; ++i) {
+          FragA<T, kACol> fa;
+          const int row = warp_m * kWarpM + i * 16;
+          const uint16_t* p = kACol ? sa + kk * ATileT::kLd + row : sa + row * ATileT::kLd + kk;
+          wmma::load_matrix_sync(fa, reinterpret_cast<const T*>(p), ATileT::kLd);
+#pragma unroll
+          for (int j = 0; j < kFragsN; ++j) wmma::mma_sync(acc[i][j], fa, fb[j], acc[i][j]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory becomes the epilogue's
+
+    // ---- epilogue ----
+    float* stage_out = reinterpret_cast<float*>(smem_raw) + warp * kEpiFloatsPerWarp;
+    const int r = lane >> 1, c0 = (lane & 1) * 16;
+    const int64_t out_base = batch * g.m * g.n;
+#pragma unroll 1  // the epilogue's code is emitted once, not once per fragment row
+    for (int i = 0; i < kFragsM; ++i) {
+#pragma unroll  // constant indices keep acc in registers; the predicate selects row i
+      for (int ii = 0; ii < kFragsM; ++ii)
+        if (ii == i)
+#pragma unroll
+          for (int j = 0; j < kFragsN; ++j)
+            wmma::store_matrix_sync(stage_out + j * 16, acc[ii][j], kEpiLd, wmma::mem_row_major);
+      __syncwarp();
+      const int64_t row = m0 + warp_m * kWarpM + i * 16 + r;
+      const int64_t col = n0 + warp_n * kWarpN + c0;
+      if (row < g.m && col < g.n) {
+        const int64_t offset = out_base + row * g.n + col;
+#pragma unroll 1
+        for (int h = 0; h < 2; ++h) {  // 8 outputs at a time: 16 bytes of FP16/BF16
+          const int64_t col8 = col + 8 * h;
+          if (col8 >= g.n) break;
+          const int count = g.n - col8 >= 8 ? 8 : static_cast<int>(g.n - col8);
+          float pre[8], out[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const bool in = e < count;
+            const float cv = es.has_c && in ? load_any(g.c.data, matrix_offset(g.c, batch, row, col8 + e), g.c.dtype) : 0.0f;
+            const float bv = es.has_bias && in ? load_any(g.bias, col8 + e, g.bias_dtype) : 0.0f;
+            pre[e] = epilogue_pre(stage_out[r * kEpiLd + c0 + 8 * h + e], cv, bv, es);
+            out[e] = activate(pre[e], es.act);
+          }
+          store_row8(g.out, g.out_dtype, offset + 8 * h, out, count, kp.out_vector);
+          if (g.pre_activation) store_row8(g.pre_activation, g.out_dtype, offset + 8 * h, pre, count, kp.out_vector);
+        }
+      }
+      __syncwarp();  // the slice is rewritten by the next fragment row
+    }
+    __syncthreads();  // the next batch's stages overwrite the epilogue's slices
+  }
+}
+
+// One block per SM: the kernel needs 141-187 registers per thread (ptxas, sm_75-sm_90); capping it at
+// 128 for two blocks per SM made ptxas spill the copy addresses inside the main loop.
+template <typename T, bool kACol, bool kBCol, bool kVector>
+__global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const __grid_constant__ KernelParams kp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __trap();  // unreachable: the launcher refuses BF16 below sm_80
+  } else {
+    gemm_body<T, kACol, kBCol, kVector>(kp);
+  }
+#else
+  gemm_body<T, kACol, kBCol, kVector>(kp);
+#endif
+}
+
+template <typename T, bool kACol, bool kBCol, bool kVector>
+void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
+  auto kernel = gemm_kernel<T, kACol, kBCol, kVector>;
+  constexpr size_t bytes = smem_bytes<kACol, kBCol>();
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+             "gemm: setting the shared-memory size");
+  const dim3 grid(static_cast<unsigned>(plan.blocks), static_cast<unsigned>(plan.grid_y));
+  kernel<<<grid, kThreads, bytes, stream>>>(kp);
+  cuda_check(cudaGetLastError(), "gemm kernel launch");
+}
+
+template <typename T>
+void dispatch_layout(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
+  const bool ac = kp.g.a.col_major, bc = kp.g.b.col_major;
+  if (plan.vector_path) {
+    if (!ac && !bc) return launch<T, false, false, true>(kp, plan, stream);
+    if (!ac && bc) return launch<T, false, true, true>(kp, plan, stream);
+    if (ac && !bc) return launch<T, true, false, true>(kp, plan, stream);
+    return launch<T, true, true, true>(kp, plan, stream);
+  }
+  if (!ac && !bc) return launch<T, false, false, false>(kp, plan, stream);
+  if (!ac && bc) return launch<T, false, true, false>(kp, plan, stream);
+  if (ac && !bc) return launch<T, true, false, false>(kp, plan, stream);
+  return launch<T, true, true, false>(kp, plan, stream);
+}
+
+}  // namespace
+
+void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
+  if (args.batch <= 0 || args.m <= 0 || args.n <= 0) return;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  int device = 0, major = 0, minor = 0;
+  cuda_check(cudaGetDevice(&device), "gemm: cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
+  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
+  if (args.a.dtype == DType::kBFloat16 && major < 8)
+    throw std::runtime_error("mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
+                             std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.");
+  const GemmPlan plan = plan_gemm(args.batch, args.m, args.n, args.a, args.b);
+  if (plan.blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
+  const int64_t out_elems = 16 / dtype_size(args.out_dtype);
+  const bool out_vector = args.n % out_elems == 0 && reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
+                          (!args.pre_activation || reinterpret_cast<uintptr_t>(args.pre_activation) % 16 == 0);
+  const KernelParams kp{args, plan.tiles_m, plan.tiles_n, out_vector};
+  if (args.a.dtype == DType::kFloat16)
+    dispatch_layout<__half>(kp, plan, stream);
+  else
+    dispatch_layout<__nv_bfloat16>(kp, plan, stream);
+}
+
+}  // namespace mpf
