@@ -1,198 +1,433 @@
-"""`python -m mpfused.demo`: the multi-tensor overflow reduction on a real model's gradients.
+"""`python -m mpfused.demo`: what each mixed-precision technique buys, measured on a real model.
 
-A small character-level LSTM language model is trained (FP32, AdamW, a few dozen steps) on the source
-code of a few Python standard-library modules, encoded as bytes, so nothing is downloaded. Then, on one
-held-out batch, the gradients of ``S * loss`` are computed for a sweep of loss scales S, cast to FP16
-and to BF16 (as a half-precision model's gradients would be stored), and ONE call of
-``mpfused.non_finite_check_`` over the whole gradient list, with ``inv_scale = 1/S`` and ``sumsq``,
-reports whether anything overflowed and the unscaled global gradient norm. The table shows why loss
-scaling exists: at S = 1 part of the FP16 gradient flushes to zero (underflow); a larger S lifts it into
-FP16's range, until a too large S overflows (found_inf = 1) and the step would be skipped. BF16 has
-FP32's exponent range: it neither underflows nor overflows here, at the price of 8 bits of precision.
+A character-level language model (an MLP over the previous bytes, built from nn.Linear, LayerNorm and
+GELU) learns to predict the next byte of the Python standard library's own source code: real data that
+ships with every Python, nothing is downloaded. The same model, data order and seed are trained five
+times through ``mpfused.amp.initialize``: O0 (FP32), O1 (autocast), O2 (FP16 model, FP32 masters,
+dynamic loss scaling), O3 (pure FP16) and "O2 without loss scaling". On the way, the O2 run measures
+the three effects of the mixed-precision paper (Micikevicius et al., ICLR 2018):
 
-Finally the single fused call is timed against torch's own pair,
-``torch._amp_foreach_non_finite_check_and_unscale_`` + ``torch._foreach_norm``, on the same list.
-Everything printed is also written to ``<out>/overflow_demo.json``.
+1. gradient underflow: the FP16 gradients of the real FP16 backward, against the FP32 gradients of the
+   same weights (the master copy) on the same batch: how many nonzero values flush to zero with and
+   without the loss scale, and the log2 histogram of their magnitudes against FP16's limits;
+2. the loss curves of O2 with dynamic loss scaling against O0 and against O2 without scaling;
+3. lost updates: the fraction of the real O2 weight updates (new master - old master) that change
+   nothing when added to the FP16 weights, against the FP32 master copy.
+
+Everything printed, and more, goes to ``<out>/demo.json``; the figure to ``<out>/demo.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
-import statistics
+import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import mpfused
 
-# Standard-library modules whose source is the training text: plain Python that ships with every
-# CPython install (read from the stdlib directory; nothing is downloaded).
-STDLIB_FILES = ["textwrap.py", "string.py", "difflib.py", "argparse.py", "functools.py",
-                "dataclasses.py", "typing.py", "enum.py", "calendar.py", "shutil.py"]
-QUICK_FILES = ["textwrap.py", "string.py", "difflib.py"]
-LOG2_SCALES = [0, 8, 16, 24, 32, 40]
-LR = 3e-3
+# Training text: the source of standard-library modules (plain Python, shipped with CPython). The
+# held-out text is other modules, so the held-out loss measures what generalises.
+TRAIN_FILES = ["_pydecimal.py", "inspect.py", "typing.py", "argparse.py", "tarfile.py", "difflib.py",
+               "pickletools.py", "zipfile.py", "datetime.py", "subprocess.py"]
+HELDOUT_FILES = ["calendar.py", "textwrap.py", "shutil.py"]
 
-# FP16: largest finite 65504 (|x| >= 65520 rounds to inf); smallest normal 2^-14; smallest subnormal
-# 2^-24, so |x| <= 2^-25 rounds to zero. BF16 keeps FP32's exponent range with an 8-bit significand.
+CONFIGS = {
+    # context bytes, embedding width, hidden width, hidden layers, tokens (next-byte predictions) per step
+    "full": dict(ctx=16, emb=16, hidden=256, layers=2, tokens=4096, steps=240, lr=3e-3, warmup=10,
+                 weight_decay=0.01, eval_every=40, eval_tokens=8192, probes=4),
+    "quick": dict(ctx=8, emb=8, hidden=64, layers=2, tokens=1024, steps=30, lr=1e-2, warmup=3,
+                  weight_decay=0.01, eval_every=10, eval_tokens=2048, probes=2),
+}
+RUNS = [  # (name, opt_level, loss_scale override)
+    ("O0", "O0", None),
+    ("O1", "O1", None),
+    ("O2", "O2", None),
+    ("O3", "O3", None),
+    ("O2 no scaling", "O2", 1.0),
+]
+
+FP16 = torch.finfo(torch.float16)
+LOG2_MIN_SUBNORMAL = -24   # 2^-24: the smallest FP16 subnormal; |x| <= 2^-25 rounds to zero
+LOG2_MIN_NORMAL = -14      # 2^-14: the smallest FP16 normal number
+LOG2_MAX = math.log2(FP16.max)  # 65504 = 2^15.999: larger values overflow to inf
+LOST_RATIO = 2.0 ** -11    # |update / weight| below this: the update is below half an FP16 ulp of the weight
 
 
 # ---- data -------------------------------------------------------------------------------------------
 def load_text(files) -> bytes:
-    """Concatenated source of standard-library modules, as bytes. Falls back to the source of modules
-    found through ``inspect`` if the stdlib directory has no .py files (some distributions strip them)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts = []
-    for name in files:
-        path = stdlib / name
-        if path.is_file():
-            parts.append(path.read_bytes())
+    parts = [(stdlib / f).read_bytes() for f in files if (stdlib / f).is_file()]
     if not parts:
-        import inspect
-        import textwrap, string, difflib, argparse as _argparse  # noqa: E401 (only their source is used)
-        for mod in (textwrap, string, difflib, _argparse):
-            try:
-                parts.append(inspect.getsource(mod).encode("utf-8"))
-            except (OSError, TypeError):
-                pass
-    if not parts:
-        raise RuntimeError(f"no standard-library source found under {stdlib}")
+        raise RuntimeError(f"none of {files} found under {stdlib} (is the standard library's source installed?)")
     return b"\n".join(parts)
 
 
-def batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator):
-    """Random windows of ``seq_len + 1`` bytes: inputs and next-byte targets."""
-    starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    windows = data[idx]
-    return windows[:, :-1], windows[:, 1:]
+def windows(data: torch.Tensor, starts: torch.Tensor, ctx: int):
+    """Inputs (the ``ctx`` previous bytes) and targets (the next byte) at the given start offsets."""
+    idx = starts[:, None] + torch.arange(ctx + 1)
+    w = data[idx]
+    return w[:, :-1], w[:, -1]
 
 
 # ---- model ------------------------------------------------------------------------------------------
-class CharLSTM(torch.nn.Module):
-    def __init__(self, emb: int, hidden: int, layers: int = 2, vocab: int = 256):
+class CharMLP(nn.Module):
+    """Next-byte prediction from the previous ``ctx`` bytes: byte embedding, then ``layers`` blocks of
+    Linear -> LayerNorm -> GELU, then a Linear head over the 256 byte values."""
+
+    def __init__(self, ctx: int, emb: int, hidden: int, layers: int):
         super().__init__()
-        self.embed = torch.nn.Embedding(vocab, emb)
-        self.lstm = torch.nn.LSTM(emb, hidden, num_layers=layers, batch_first=True)
-        self.head = torch.nn.Linear(hidden, vocab)
+        self.embed = nn.Embedding(256, emb)
+        blocks, width = [], ctx * emb
+        for _ in range(layers):
+            blocks += [nn.Linear(width, hidden), nn.LayerNorm(hidden), nn.GELU()]
+            width = hidden
+        self.body = nn.Sequential(*blocks)
+        self.head = nn.Linear(width, 256)
 
     def forward(self, x):
-        h, _ = self.lstm(self.embed(x))
-        return self.head(h)
+        return self.head(self.body(self.embed(x).flatten(1)))
 
 
-def lm_loss(model, x, y):
-    logits = model(x)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+class _WidenedLinearFn(torch.autograd.Function):
+    """FP16/BF16 linear as a tensor-core GEMM computes it: operands widened exactly to FP32, products
+    accumulated in FP32, each result rounded once to the low-precision dtype. Only used when
+    mpfused.nn (our GEMM) is not available: torch's own FP16 GEMM on the CPU runs at ~1-5 GFLOP/s."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        y = x.float() @ w.float().t()
+        if b is not None:
+            y += b.float()
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g32 = g.float()
+        gb = g32.sum(0).to(w.dtype) if ctx.has_bias else None
+        return (g32 @ w.float()).to(x.dtype), (g32.t() @ x.float()).to(w.dtype), gb
 
 
-def grads_of(model, loss_fn, scale: float):
-    """FP32 gradients of ``scale * loss``, one contiguous tensor per parameter (in parameter order)."""
-    model.zero_grad(set_to_none=True)
-    (loss_fn() * scale).backward()
-    return [p.grad.detach().clone().contiguous() for p in model.parameters() if p.grad is not None]
+class _WidenedLinear(nn.Linear):
+    def forward(self, x):
+        dev = x.device.type
+        w, b = self.weight, self.bias
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in (torch.float16, torch.bfloat16):
+            dt = torch.get_autocast_dtype(dev)
+            with torch.autocast(dev, enabled=False):
+                return _WidenedLinearFn.apply(x.to(dt), w.to(dt), None if b is None else b.to(dt))
+        if x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype:
+            return _WidenedLinearFn.apply(x, w, b)
+        return F.linear(x, w, b)
+
+
+def low_precision_linears(model: nn.Module, device: torch.device) -> str:
+    """The GEMM the O1/O2/O3 runs use for their FP16 linears (in place; Parameter objects are kept).
+    This is the hook for mpfused's own GEMM: mpfused.nn.convert_linear when it is built."""
+    convert = getattr(getattr(mpfused, "nn", None), "convert_linear", None)
+    if convert is not None:
+        convert(model)
+        return "mpfused.nn.FusedLinear (mpfused's GEMM: FP16/BF16 in, FP32 accumulate)"
+    if device.type == "cpu":
+        for m in model.modules():
+            if type(m) is nn.Linear:
+                m.__class__ = _WidenedLinear
+        return "demo fallback (mpfused.nn not built): operands widened to FP32, FP32 GEMM, one rounding"
+    return "torch nn.Linear (cuBLAS)"
 
 
 # ---- measurements -----------------------------------------------------------------------------------
-def fused_check(grads, inv_scale: float, device):
-    """ONE call of the overflow reduction over the whole list: (found_inf, unscaled global norm)."""
-    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-    sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-    mpfused.non_finite_check_(grads, found_inf, inv, sumsq=sumsq)
-    return float(found_inf.item()), math.sqrt(float(sumsq.item()))
-
-
-def ref_norm(grads32, inv_scale: float) -> float:
-    """FP64 reference: global L2 norm of the FP32 gradients times inv_scale."""
-    return math.sqrt(sum(float((g.double() * inv_scale).square().sum()) for g in grads32))
-
-
-def underflow_stats(grads32, grads_low):
-    """Among elements that are nonzero in FP32: how many flush to zero in the low-precision copy, and
-    how many land in its subnormal range (nonzero but below the smallest normal: precision lost)."""
-    tiny = torch.finfo(grads_low[0].dtype).tiny
-    nonzero = flushed = subnormal = 0
-    for g32, g in zip(grads32, grads_low):
-        nz = g32 != 0
-        nonzero += int(nz.sum())
-        flushed += int((nz & (g == 0)).sum())
-        subnormal += int(((g != 0) & (g.float().abs() < tiny)).sum())
-    return nonzero, flushed, subnormal
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_calls(grads, inv_scale: float, device, repeats: int):
-    """Median wall time of (a) our single call (unscale in place + sumsq) and (b) torch's pair
-    ``_amp_foreach_non_finite_check_and_unscale_`` + ``_foreach_norm`` (+ the norm of the per-tensor
-    norms, as ``get_total_norm`` does), on fresh copies of the same list each repeat (both unscale in
-    place, so a copy is taken outside the timed region)."""
-    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+class ActivationGrads:
+    """Captures the gradient of the loss with respect to every Linear output and the embedding output
+    (the activation gradients of the paper's histogram), in the dtype autograd stores them in."""
 
-    def ours(ts):
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-        mpfused.non_finite_check_(ts, found, inv, unscale=True, sumsq=sumsq)
-        return found, sumsq.sqrt()
+    def __init__(self, model: nn.Module):
+        self.grads: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for name, m in model.named_modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "FusedLinear":
+                self.handles.append(m.register_forward_hook(self._hook(name)))
 
-    def theirs(ts):
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
-        return found, torch.linalg.vector_norm(torch.stack(norms))
+    def _hook(self, name):
+        def fwd(module, args, out):
+            out.register_hook(lambda g: self.grads.__setitem__(name, g.detach().clone()))
+        return fwd
 
-    results = {}
-    for name, fn in (("mpfused", ours), ("torch", theirs)):
-        times = []
-        for i in range(repeats + 1):  # the first run is a warm-up
-            ts = [g.clone() for g in grads]
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def backward_grads(model, x, y, scale: float):
+    """Activation and weight gradients of ``scale * loss`` on (x, y), as stored (no unscaling)."""
+    model.zero_grad(set_to_none=True)
+    cap = ActivationGrads(model)
+    try:
+        loss = F.cross_entropy(model(x).float(), y)
+        (loss * scale).backward()
+    finally:
+        cap.remove()
+    weights = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return cap.grads, weights
+
+
+def underflow_counts(ref: dict, low: dict) -> dict:
+    """Of the values nonzero in the FP32 reference: how many are zero in the low-precision backward
+    (flushed), and how many landed below FP16's smallest normal (subnormal: fewer significant bits)."""
+    nonzero = flushed = subnormal = 0
+    for k, r in ref.items():
+        lo = low[k]
+        nz = r != 0
+        nonzero += int(nz.sum())
+        flushed += int((nz & (lo == 0)).sum())
+        subnormal += int(((lo != 0) & (lo.float().abs() < FP16.tiny)).sum())
+    return {"nonzero_fp32": nonzero, "flushed": flushed, "flushed_frac": flushed / max(nonzero, 1),
+            "subnormal": subnormal, "subnormal_frac": subnormal / max(nonzero, 1)}
+
+
+def log2_histogram(tensors, lo: int = -48, hi: int = 4) -> dict:
+    """Counts of log2|g| over unit bins [k, k+1) for k in [lo, hi), plus zeros and the values outside."""
+    edges = torch.arange(lo, hi + 1, dtype=torch.float32)
+    counts = torch.zeros(hi - lo, dtype=torch.int64)
+    zeros = below = above = 0
+    for t in tensors:
+        a = t.detach().float().abs().flatten().cpu()
+        zeros += int((a == 0).sum())
+        lg = torch.log2(a[a > 0])
+        below += int((lg < lo).sum())
+        above += int((lg >= hi).sum())
+        inside = lg[(lg >= lo) & (lg < hi)]
+        counts += torch.bincount((inside.floor() - lo).long(), minlength=hi - lo)
+    return {"log2_edges": edges.tolist(), "counts": counts.tolist(), "zeros": zeros, "below": below, "above": above}
+
+
+def grad_probe(model, ref_model, x, y, scale: float) -> dict:
+    """Effect 1 on the current O2 weights: the FP32 gradients (ref_model holds the FP32 masters) against
+    the real FP16 backward without scaling and with the loss scale the run is using."""
+    ref_act, ref_w = backward_grads(ref_model, x, y, 1.0)
+    lo_act1, lo_w1 = backward_grads(model, x, y, 1.0)
+    lo_actS, lo_wS = backward_grads(model, x, y, scale)
+    return {
+        "scale": scale,
+        "activation_grads": {"unscaled": underflow_counts(ref_act, lo_act1), "scaled": underflow_counts(ref_act, lo_actS),
+                             "histogram_fp32": log2_histogram(ref_act.values())},
+        "weight_grads": {"unscaled": underflow_counts(ref_w, lo_w1), "scaled": underflow_counts(ref_w, lo_wS),
+                         "histogram_fp32": log2_histogram(ref_w.values())},
+    }
+
+
+def lost_updates(old_master: list, new_master: list, dtype: torch.dtype) -> dict:
+    """Effect 3 on one real O2 step: u = new master - old master (exact in FP32, the two are close).
+    Applied to the low-precision weight w = old master rounded to dtype, in FP32 with one rounding (as
+    an optimizer without master copies would), does it change w? And applied to the FP32 master?"""
+    changed = lost_low = lost_fp32 = below_ratio = 0
+    for old, new in zip(old_master, new_master):
+        u = new - old
+        moved = u != 0
+        w = old.to(dtype)
+        changed += int(moved.sum())
+        lost_low += int((moved & ((w.float() + u).to(dtype) == w)).sum())
+        lost_fp32 += int((moved & ((old + u) == old)).sum())
+        below_ratio += int((moved & (u.abs() < LOST_RATIO * old.abs())).sum())
+    n = max(changed, 1)
+    return {"updated_elements": changed, "lost_low_precision": lost_low, "lost_low_precision_frac": lost_low / n,
+            "lost_fp32_master": lost_fp32, "lost_fp32_master_frac": lost_fp32 / n,
+            "ratio_below_2^-11": below_ratio, "ratio_below_2^-11_frac": below_ratio / n}
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@torch.no_grad()
+def evaluate(model, x, y, chunk: int) -> tuple[float, float]:
+    """Held-out mean cross-entropy (nats per byte) and next-byte accuracy."""
+    loss = correct = 0.0
+    for i in range(0, x.shape[0], chunk):
+        logits = model(x[i:i + chunk]).float()
+        loss += float(F.cross_entropy(logits, y[i:i + chunk], reduction="sum"))
+        correct += float((logits.argmax(-1) == y[i:i + chunk]).sum())
+    return loss / x.shape[0], correct / x.shape[0]
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+def train_run(name, opt_level, loss_scale, base_model, cfg, data, heldout, device, seed, probe, progress):
+    model = copy.deepcopy(base_model).to(device)
+    linear_impl = "torch nn.Linear (FP32)" if opt_level == "O0" else low_precision_linears(model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    model, opt, scaler = mpfused.amp.initialize(model, opt, opt_level, loss_scale=loss_scale)
+    props = mpfused.amp.properties(model)
+
+    steps = cfg["steps"]
+    gen = torch.Generator().manual_seed(seed)  # the same batches, in the same order, for every run
+    losses = torch.zeros(steps, dtype=torch.float32, device=device)
+    skipped = torch.zeros(1, dtype=torch.float32, device=device)
+    probe_steps = set(probe["steps"]) if probe else set()
+    probes, evals, scales = [], [], []
+    step_seconds = 0.0
+    bar = _progress(steps, name) if progress else None
+
+    def lr_at(i):  # linear warm-up, then cosine decay to 10%
+        if i < cfg["warmup"]:
+            return cfg["lr"] * (i + 1) / cfg["warmup"]
+        t = (i - cfg["warmup"]) / max(steps - cfg["warmup"], 1)
+        return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    for i in range(steps):
+        starts = torch.randint(0, data.numel() - cfg["ctx"] - 1, (cfg["tokens"],), generator=gen)
+        x, y = (t.to(device, non_blocking=True) for t in windows(data, starts, cfg["ctx"]))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i)
+        measure = i in probe_steps
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if measure:  # effect 3: the masters before the step (outside the timed region)
             _sync(device)
+            step_seconds += time.perf_counter() - t0
+            masters = [opt.state[p]["master_param"].clone() if "master_param" in opt.state[p] else None
+                       for p in model.parameters()]
             t0 = time.perf_counter()
-            found, norm = fn(ts)
-            _sync(device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        results[name] = {"median_us": statistics.median(times) * 1e6, "min_us": min(times) * 1e6,
-                         "repeats": repeats, "found_inf": float(found.item()), "norm": float(norm.item())}
-    return results
+        scaler.step(opt)
+        scaler.update()
+        found = scaler.found_inf()
+        if found is not None:
+            skipped += (found != 0).float()
+        losses[i] = loss.detach()
+        _sync(device)
+        step_seconds += time.perf_counter() - t0
+
+        if measure:
+            found_now = float(found.item()) if found is not None else 0.0
+            rec = {"step": i + 1, "skipped": found_now != 0}
+            pairs = [(m, opt.state[p]["master_param"]) for m, p in zip(masters, model.parameters()) if m is not None]
+            if pairs and not rec["skipped"]:
+                rec["lost_updates"] = lost_updates([a for a, _ in pairs], [b for _, b in pairs], props.dtype)
+            ref = probe["ref_model"]
+            with torch.no_grad():
+                ref_params = dict(ref.named_parameters())
+                for n, p in model.named_parameters():
+                    st = opt.state[p]
+                    ref_params[n].copy_(st["master_param"] if "master_param" in st else p.float())
+            rec.update(grad_probe(model, ref, probe["x"], probe["y"], scaler.get_scale()))
+            probes.append(rec)
+        if (i + 1) % cfg["eval_every"] == 0 or i + 1 == steps:
+            ev_loss, ev_acc = evaluate(model, heldout[0], heldout[1], cfg["tokens"])
+            evals.append({"step": i + 1, "loss": ev_loss, "accuracy": ev_acc})
+            scales.append({"step": i + 1, "scale": scaler.get_scale()})
+            if bar is not None:
+                bar.set_postfix(train=f"{float(loss.detach()):.3f}", heldout=f"{ev_loss:.3f}", scale=f"{scaler.get_scale():g}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    losses = losses.cpu().tolist()
+    tail = max(1, steps // 10)
+    state = [t for s in opt.state.values() for t in s.values()]
+    return {
+        "name": name, "opt_level": opt_level, "amp": props.as_dict(), "linear": linear_impl,
+        "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}),
+        "final_train_loss": sum(losses[-tail:]) / tail, "final_train_loss_window": tail,
+        "heldout_loss": evals[-1]["loss"], "heldout_accuracy": evals[-1]["accuracy"],
+        "ms_per_step": 1e3 * step_seconds / steps,
+        "weight_bytes": nbytes(list(model.parameters()) + list(model.buffers())),
+        "optimizer_state_bytes": nbytes(state),
+        "skipped_steps": int(skipped.item()), "scaler_enabled": scaler.is_enabled(),
+        "final_loss_scale": scaler.get_scale(),
+        "train_losses": losses, "evals": evals, "loss_scales": scales, "probes": probes,
+    }
 
 
-# ---- output -----------------------------------------------------------------------------------------
-def print_report(res):
-    info = res["build_info"]
-    print(f"mpfused {info['version']} (built against torch {info['torch_version']}, CUDA "
-          f"{info['cuda_version']}, arch {info['cuda_arch_list']}, OpenMP {info['openmp']}); "
-          f"torch {res['torch_version']} running; device: {res['device']}")
-    m, tr = res["model"], res["training"]
-    print(f"data: {res['data']['bytes']:,} bytes of Python stdlib source ({', '.join(res['data']['files'])})")
-    print(f"model: {m['description']}, {m['parameters']:,} parameters in {m['tensors']} tensors, FP32, "
-          f"seed {res['seed']}")
-    if tr["steps"]:
-        print(f"trained {tr['steps']} AdamW steps (batch {m['batch']} x {m['seq_len']} bytes) in "
-              f"{tr['seconds']:.1f} s: loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}; held-out batch "
-              f"{tr['eval_loss']:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
-    print()
-    print("Gradients of S*loss on one held-out batch, cast to FP16/BF16, then ONE mpfused.non_finite_check_"
-          " call over the whole list (inv_scale=1/S, sumsq).\nFP16 flushes small gradients to zero at S=1; "
-          "a larger S saves them until it overflows (found_inf=1: the step is skipped). BF16 needs no scaling.")
+def _progress(total, name):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"{name:>13}", unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
 
-    headers = ["dtype", "S", "found_inf", "max |S*g| FP32", "norm (mpfused)", "FP32 ref norm", "rel err",
-               "flushed to 0", "subnormal"]
+
+# ---- summaries --------------------------------------------------------------------------------------
+def smooth(values, window):
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def summarize(runs, cfg):
+    by = {r["name"]: r for r in runs}
+    o0, o2, o2n = by["O0"], by["O2"], by["O2 no scaling"]
+    w = max(1, cfg["steps"] // 20)
+    s0, s2, s2n = (smooth(r["train_losses"], w) for r in (o0, o2, o2n))
+    half = len(s0) // 2
+    tracking = {
+        "smoothing_window": w,
+        "O2_vs_O0_mean_abs_gap_second_half": sum(abs(a - b) for a, b in zip(s2[half:], s0[half:])) / (len(s0) - half),
+        "O2_no_scaling_vs_O0_mean_abs_gap_second_half":
+            sum(abs(a - b) for a, b in zip(s2n[half:], s0[half:])) / (len(s0) - half),
+        "O2_no_scaling_above_O0_fraction_second_half":
+            sum(a > b for a, b in zip(s2n[half:], s0[half:])) / (len(s0) - half),
+        "O2_minus_O0_heldout": o2["heldout_loss"] - o0["heldout_loss"],
+        "O2_no_scaling_minus_O0_heldout": o2n["heldout_loss"] - o0["heldout_loss"],
+    }
+    probes = [p for p in o2["probes"]]
+    under = {}
+    for kind in ("activation_grads", "weight_grads"):
+        under[kind] = {mode: {
+            "flushed_frac_mean": sum(p[kind][mode]["flushed_frac"] for p in probes) / len(probes),
+            "subnormal_frac_mean": sum(p[kind][mode]["subnormal_frac"] for p in probes) / len(probes),
+            "flushed_frac_per_probe": [p[kind][mode]["flushed_frac"] for p in probes],
+        } for mode in ("unscaled", "scaled")}
+    lost = [p["lost_updates"] for p in probes if "lost_updates" in p]
+    lost_summary = {
+        "probe_steps": [p["step"] for p in probes if "lost_updates" in p],
+        "lost_low_precision_frac": [d["lost_low_precision_frac"] for d in lost],
+        "lost_fp32_master_frac": [d["lost_fp32_master_frac"] for d in lost],
+        "ratio_below_2^-11_frac": [d["ratio_below_2^-11_frac"] for d in lost],
+    }
+    return {"underflow": under, "loss_tracking": tracking, "lost_updates": lost_summary,
+            "probe_steps": [p["step"] for p in probes], "probe_scales": [p["scale"] for p in probes]}
+
+
+TABLE_FIELDS = ["final_train_loss", "heldout_loss", "heldout_accuracy", "ms_per_step", "weight_bytes",
+                "optimizer_state_bytes", "skipped_steps", "final_loss_scale"]
+
+
+def print_table(runs):
+    headers = ["run", "params", "train loss", "held-out loss", "held-out acc", "ms/step", "weights",
+               "opt state", "skipped", "final scale"]
     rows = []
-    for r in res["sweep"]:
-        rows.append([r["dtype"], f"2^{r['log2_scale']}", f"{r['found_inf']:g}", f"{r['max_abs_scaled_fp32']:.3g}",
-                     "inf" if r["norm"] is None else f"{r['norm']:.7g}", f"{r['ref_norm']:.7g}",
-                     "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}",
-                     f"{100 * r['flushed_frac']:.3f}%", f"{100 * r['subnormal_frac']:.2f}%"])
+    for r in runs:
+        rows.append([r["name"], "/".join(d.replace("float", "fp").replace("bfp16", "bf16") for d in r["param_dtypes"]),
+                     f"{r['final_train_loss']:.4f}", f"{r['heldout_loss']:.4f}", f"{100 * r['heldout_accuracy']:.2f}%",
+                     f"{r['ms_per_step']:.1f}", f"{r['weight_bytes'] / 2**20:.2f} MiB",
+                     f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB",
+                     str(r["skipped_steps"]) if r["scaler_enabled"] else "- (off)",
+                     f"{r['final_loss_scale']:g}" if r["scaler_enabled"] else "1 (off)"])
     try:
         from rich.console import Console
         from rich.table import Table
@@ -201,146 +436,275 @@ def print_report(res):
         print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
         for row in rows:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        return
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 140))
+    table = Table(*headers)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def print_effects(res):
+    s = res["summary"]
+    u = s["underflow"]
+    print("\n1. Gradient underflow (O2 weights at steps "
+          f"{s['probe_steps']}, loss scales {[f'{x:g}' for x in s['probe_scales']]}; real FP16 backward vs FP32 "
+          "backward of the same weights, fixed batch):")
+    for kind, label in (("activation_grads", "activation gradients"), ("weight_grads", "weight gradients")):
+        a, b = u[kind]["unscaled"], u[kind]["scaled"]
+        print(f"   {label:21s}: flushed to zero {100 * a['flushed_frac_mean']:7.3f}% without scaling, "
+              f"{100 * b['flushed_frac_mean']:7.3f}% with it; subnormal {100 * a['subnormal_frac_mean']:6.2f}% vs "
+              f"{100 * b['subnormal_frac_mean']:6.2f}%")
+    t = s["loss_tracking"]
+    print("2. Loss curves (training loss smoothed over "
+          f"{t['smoothing_window']} steps, mean |gap| to O0 over the second half): O2 {t['O2_vs_O0_mean_abs_gap_second_half']:.4f}, "
+          f"O2 without scaling {t['O2_no_scaling_vs_O0_mean_abs_gap_second_half']:.4f}; held-out loss minus O0's: "
+          f"O2 {t['O2_minus_O0_heldout']:+.4f}, O2 without scaling {t['O2_no_scaling_minus_O0_heldout']:+.4f}")
+    print(f"   {res['verdicts']['loss_curves']}")
+    lu = s["lost_updates"]
+    if lu["probe_steps"]:
+        pct = lambda xs: ", ".join(f"{100 * v:.2f}%" for v in xs)  # noqa: E731
+        print(f"3. Lost updates (real O2 updates at steps {lu['probe_steps']}): applied to FP16 weights "
+              f"{pct(lu['lost_low_precision_frac'])} change nothing (|update/weight| < 2^-11: "
+              f"{pct(lu['ratio_below_2^-11_frac'])}); applied to the FP32 master: {pct(lu['lost_fp32_master_frac'])}")
+
+
+def verdicts(summary, runs):
+    """Plain statements computed from the measurements by the rule stated in them (nothing is tuned to
+    force an outcome): the no-scaling gap counts as an effect when it is more than twice both O2's gap and
+    the O1-O0 gap (another sound mixed-precision path, a measure of run-to-run numerical noise)."""
+    t = summary["loss_tracking"]
+    by = {r["name"]: r for r in runs}
+    floor = abs(by["O1"]["heldout_loss"] - by["O0"]["heldout_loss"])
+    gap, gap_n = abs(t["O2_minus_O0_heldout"]), t["O2_no_scaling_minus_O0_heldout"]
+    above = t["O2_no_scaling_above_O0_fraction_second_half"]
+    rel = gap_n / by["O0"]["heldout_loss"]
+    if gap_n > 2 * max(gap, floor) and gap_n > 0:
+        curve = (f"Without loss scaling O2 ends {gap_n:.4f} nats/byte ({100 * rel:.2f}%) above O0 on held-out text, "
+                 f"against {gap:.4f} with dynamic scaling (O1 vs O0: {floor:.4f}); its smoothed training loss is above "
+                 f"O0's on {100 * above:.0f}% of the second half's steps. A small but systematic cost at this length "
+                 "of training.")
     else:
-        console = Console()
-        if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
-            console = Console(width=max(console.width, 132))
-        table = Table(*headers)
-        for i, row in enumerate(rows):
-            if i and row[0] != rows[i - 1][0]:
-                table.add_section()
-            table.add_row(*row, style="red" if row[2] != "0" else None)
-        console.print(table)
-    print("ref = FP64 norm of the FP32 gradients of the unscaled loss; rel err = |norm - ref| / ref. "
-          "Fractions: of the elements nonzero in FP32.\n'subnormal': nonzero but below the dtype's smallest "
-          "normal number, so stored with fewer significant bits.")
-    print()
-    t = res["timing"]
-    tm, tt = t["mpfused"], t["torch"]
-    print(f"Timing on the FP16 list at S=2^{t['log2_scale']} ({t['elements']:,} elements in {t['tensors']} "
-          f"tensors, {res['device']}), median of {tm['repeats']} runs (min in brackets)"
-          + ("" if t["loadavg_1min"] is None else
-             f"; 1-min load average {t['loadavg_1min']:.1f} on {t['cpu_count']} CPUs, this process included")
-          + ":")
-    print(f"  mpfused.non_finite_check_(unscale=True, sumsq), 1 call          {tm['median_us']:9.1f} us "
-          f"({tm['min_us']:.1f})  norm rel err {tm['rel_err']:.1e}")
-    print(f"  torch._amp_foreach_non_finite_check_and_unscale_ + _foreach_norm {tt['median_us']:9.1f} us "
-          f"({tt['min_us']:.1f})  norm rel err {tt['rel_err']:.1e}")
-    print(f"  torch / mpfused: {tt['median_us'] / tm['median_us']:.2f}x")
-    print(f"\nwritten: {res['json_path']}  (demo body {res['seconds_total']:.1f} s)")
+        curve = (f"The effect on the loss is weak on this run: O2 without scaling ends {gap_n:+.4f} nats/byte from "
+                 f"O0 on held-out text, O2 with scaling {t['O2_minus_O0_heldout']:+.4f} (O1 vs O0: {floor:.4f}); "
+                 "the underflow measured above is real, but at this length of training it does not show in the loss.")
+    return {"loss_curves": curve, "rule": "effect if gap(no scaling) > 2 * max(|gap(O2)|, |O1 - O0|)",
+            "noise_floor_O1_vs_O0_heldout": floor}
+
+
+# ---- figure -----------------------------------------------------------------------------------------
+def write_figure(res, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = {r["name"]: r for r in res["runs"]}
+    summary = res["summary"]
+    styles = {"O0": dict(color="black", lw=2), "O1": dict(color="tab:green", lw=1),
+              "O2": dict(color="tab:blue", lw=1.5), "O3": dict(color="tab:purple", lw=1),
+              "O2 no scaling": dict(color="tab:red", lw=1.5)}
+    w = summary["loss_tracking"]["smoothing_window"]
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
+
+    # 1: histogram of the FP32 activation-gradient magnitudes at the last probe, unscaled and scaled.
+    ax = axes[0][0]
+    probe = runs["O2"]["probes"][-1]
+    act = probe["activation_grads"]
+    h = act["histogram_fp32"]
+    centers = [e + 0.5 for e in h["log2_edges"][:-1]]
+    total = max(sum(h["counts"]) + h["below"] + h["above"], 1)
+    frac = [c / total for c in h["counts"]]
+    shift = math.log2(probe["scale"])
+    ax.bar(centers, frac, width=1.0, alpha=0.55, color="tab:blue",
+           label=f"FP32 gradients: {100 * act['unscaled']['flushed_frac']:.1f}% are 0 in the FP16 backward")
+    if shift:
+        ax.bar([c + shift for c in centers], frac, width=1.0, alpha=0.45, color="tab:orange",
+               label=f"x loss scale {probe['scale']:g}: {100 * act['scaled']['flushed_frac']:.3f}% are 0")
+    ax.axvspan(h["log2_edges"][0], LOG2_MIN_SUBNORMAL - 1, color="red", alpha=0.07, label="rounds to 0 in FP16")
+    ax.axvline(LOG2_MIN_SUBNORMAL, color="red", ls="--", lw=1, label="FP16 smallest subnormal 2^-24")
+    ax.axvline(LOG2_MIN_NORMAL, color="darkorange", ls="--", lw=1, label="FP16 smallest normal 2^-14")
+    ax.axvline(LOG2_MAX, color="black", ls=":", lw=1, label="FP16 largest 65504")
+    ax.set_xlabel("log2 |gradient of the loss w.r.t. a layer output|")
+    ax.set_ylabel("fraction of nonzero values")
+    ax.set_title(f"1. Activation gradients, O2 step {probe['step']}")
+    ax.legend(fontsize=7, loc="upper left")
+
+    # 1b: the flushed fractions at every probe.
+    ax = axes[1][0]
+    for kind, label, color in (("activation_grads", "activation grads", "tab:blue"),
+                               ("weight_grads", "weight grads", "tab:green")):
+        u = summary["underflow"][kind]
+        ax.plot(summary["probe_steps"], [100 * v for v in u["unscaled"]["flushed_frac_per_probe"]], "o-",
+                color=color, label=f"{label}, no scaling")
+        ax.plot(summary["probe_steps"], [100 * v for v in u["scaled"]["flushed_frac_per_probe"]], "s--",
+                color=color, alpha=0.6, label=f"{label}, with the loss scale")
+    ax.set_xlabel("O2 step")
+    ax.set_ylabel("% of nonzero FP32 gradients that are 0 in FP16")
+    ax.set_title("1. Gradient underflow over training")
+    ax.legend(fontsize=7)
+
+    # 2: loss curves, and their gap to O0.
+    ax = axes[0][1]
+    for name, style in styles.items():
+        r = runs[name]
+        ax.plot(range(1, len(r["train_losses"]) + 1), smooth(r["train_losses"], w), label=name, **style)
+    ax.plot([e["step"] for e in runs["O0"]["evals"]], [e["loss"] for e in runs["O0"]["evals"]], "o", ms=4,
+            color="black", label="O0 held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss, nats/byte (mean of {w} steps)")
+    ax.set_title("2. Loss curves")
+    ax.legend(fontsize=7)
+    ax = axes[1][1]
+    base = smooth(runs["O0"]["train_losses"], w)
+    for name, style in styles.items():
+        if name == "O0":
+            continue
+        r = runs[name]
+        gap = [a - b for a, b in zip(smooth(r["train_losses"], w), base)]
+        ax.plot(range(1, len(gap) + 1), gap, label=f"{name} train", **style)
+        ax.plot([e["step"] for e in r["evals"]],
+                [e["loss"] - f["loss"] for e, f in zip(r["evals"], runs["O0"]["evals"])], "o", ms=4,
+                color=style["color"])
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss minus O0's (dots: held-out)")
+    ax.set_title("2. Gap to the FP32 baseline: O2 with vs without loss scaling")
+    ax.legend(fontsize=7)
+
+    # 3: lost updates.
+    ax = axes[0][2]
+    lu = summary["lost_updates"]
+    xs = list(range(len(lu["probe_steps"])))
+    ax.bar([x - 0.2 for x in xs], [100 * v for v in lu["lost_low_precision_frac"]], width=0.4, color="tab:red",
+           label="added to the FP16 weights")
+    ax.bar([x + 0.2 for x in xs], [100 * v for v in lu["lost_fp32_master_frac"]], width=0.4, color="tab:blue",
+           label="added to the FP32 master copy")
+    ax.plot(xs, [100 * v for v in lu["ratio_below_2^-11_frac"]], "k_", ms=20, mew=2,
+            label="|update / weight| < 2^-11")
+    ax.set_xticks(xs, [str(s) for s in lu["probe_steps"]])
+    ax.set_xlabel("O2 step (lr decays along a cosine)")
+    ax.set_ylabel("% of the step's weight updates that change nothing")
+    ax.set_title("3. Lost weight updates")
+    ax.legend(fontsize=7)
+
+    # The table's cost side: bytes and time per step.
+    ax = axes[1][2]
+    names = list(styles)
+    ys = range(len(names))
+    weights = [runs[n]["weight_bytes"] / 2**20 for n in names]
+    state = [runs[n]["optimizer_state_bytes"] / 2**20 for n in names]
+    ax.barh(ys, weights, color="tab:gray", label="weights")
+    ax.barh(ys, state, left=weights, color="tab:olive", label="optimizer state (moments, FP32 masters)")
+    for y, n in zip(ys, names):
+        ax.text(weights[y] + state[y], y, f"  {runs[n]['ms_per_step']:.0f} ms/step", va="center", fontsize=8)
+    ax.set_yticks(list(ys), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB")
+    ax.set_title(f"Memory and time per step ({res['device']})")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlim(right=1.45 * max(a + b for a, b in zip(weights, state)))
+
+    fig.suptitle(f"mpfused demo: character-level LM on Python stdlib source, {res['device']}, "
+                 f"{res['config']['steps']} steps x {res['config']['tokens']} predictions, seed {res['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _json_safe(obj):
+    """Non-finite floats (a diverged run's loss) become null: the JSON stays standard."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 # ---- main -------------------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mpfused.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=None, help="AdamW training steps (default 40; 30 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and few steps (for tests; seconds)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny model, 30 steps (for tests; about a second on 2 idle CPU cores)")
-    p.add_argument("--out", default="demo_out", help="directory for overflow_demo.json")
-    p.add_argument("--repeats", type=int, default=None, help="timing repeats (default 30; 5 with --quick)")
+    p.add_argument("--out", default="demo_out", help="folder for demo.json and demo.png (default: ./demo_out)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     device = torch.device("cuda" if torch.cuda.is_available() and mpfused.has_cuda_kernels() else "cpu")
-    if args.quick:
-        cfg = dict(files=QUICK_FILES, emb=16, hidden=48, batch=16, seq=32, steps=30, repeats=5)
-    else:
-        cfg = dict(files=STDLIB_FILES, emb=64, hidden=256, batch=32, seq=64, steps=40, repeats=30)
-    steps = cfg["steps"] if args.steps is None else args.steps
-    repeats = cfg["repeats"] if args.repeats is None else args.repeats
-
+    cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    if args.steps is not None:
+        if args.steps < 2:
+            p.error("--steps must be at least 2")
+        cfg["steps"] = args.steps
+    train_text, held_text = load_text(TRAIN_FILES), load_text(HELDOUT_FILES)
+    data = torch.frombuffer(bytearray(train_text), dtype=torch.uint8).long()
+    held = torch.frombuffer(bytearray(held_text), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(args.seed + 1)
+    heldout = tuple(t.to(device) for t in windows(held, torch.randint(0, held.numel() - cfg["ctx"] - 1,
+                                                                       (cfg["eval_tokens"],), generator=g), cfg["ctx"]))
+    probe_batch = tuple(t.to(device) for t in windows(data, torch.randint(0, data.numel() - cfg["ctx"] - 1,
+                                                                           (cfg["tokens"],), generator=g), cfg["ctx"]))
     torch.manual_seed(args.seed)
-    text = load_text(cfg["files"])
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    gen = torch.Generator().manual_seed(args.seed)
+    base = CharMLP(cfg["ctx"], cfg["emb"], cfg["hidden"], cfg["layers"])
+    n_params = sum(q.numel() for q in base.parameters())
+    probe_steps = sorted({max(1, round(cfg["steps"] * (k + 1) / cfg["probes"])) - 1 for k in range(cfg["probes"])})
 
-    model = CharLSTM(cfg["emb"], cfg["hidden"]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        x, y = (t.to(device) for t in batch(data, cfg["batch"], cfg["seq"], gen))
-        loss = lm_loss(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.item()))
-    train_s = time.perf_counter() - t0
+    print(f"mpfused {mpfused.__version__}, torch {torch.__version__}, device {device}"
+          f"{'' if device.type == 'cuda' else f' ({os.cpu_count()} CPUs)'}")
+    print(f"data: {len(train_text):,} bytes of stdlib source for training ({len(TRAIN_FILES)} modules), "
+          f"{len(held_text):,} held-out bytes ({', '.join(HELDOUT_FILES)})")
+    print(f"model: {cfg['ctx']} previous bytes -> embedding {cfg['emb']} -> {cfg['layers']} x (Linear {cfg['hidden']}, "
+          f"LayerNorm, GELU) -> Linear 256; {n_params:,} parameters. AdamW lr {cfg['lr']} (warm-up, cosine), "
+          f"{cfg['tokens']} next-byte predictions per step (mean loss), {cfg['steps']} steps, seed {args.seed}")
 
-    # One held-out batch (its own generator) for the sweep.
-    x, y = (t.to(device) for t in batch(data, cfg["batch"], cfg["seq"],
-                                         torch.Generator().manual_seed(args.seed + 1_000_003)))
-    with torch.no_grad():
-        eval_loss = float(lm_loss(model, x, y))
-    loss_fn = lambda: lm_loss(model, x, y)  # noqa: E731
-    scaled = {k: grads_of(model, loss_fn, 2.0 ** k) for k in LOG2_SCALES}  # FP32 gradients of S*loss
-    grads1 = grads_of(model, loss_fn, 1.0)
-    ref = ref_norm(grads1, 1.0)  # the target: FP64 norm of the FP32 gradients of the unscaled loss
+    runs = []
+    for name, level, scale in RUNS:
+        probe = None
+        if name == "O2":
+            probe = {"steps": probe_steps, "x": probe_batch[0], "y": probe_batch[1],
+                     "ref_model": copy.deepcopy(base).to(device)}
+        runs.append(train_run(name, level, scale, base, cfg, data, heldout, device, args.seed, probe,
+                              progress=not args.no_progress))
+    print(f"linears in O1/O2/O3: {runs[1]['linear']}")
 
-    sweep = []
-    for dtype in (torch.float16, torch.bfloat16):
-        for k, grads32 in scaled.items():
-            scale = 2.0 ** k
-            low = [g.to(dtype) for g in grads32]
-            found, norm = fused_check(low, 1.0 / scale, device)
-            nonzero, flushed, subnormal = underflow_stats(grads32, low)
-            finite = math.isfinite(norm)
-            sweep.append({
-                "dtype": str(dtype).replace("torch.", ""),
-                "log2_scale": k,
-                "scale": scale,
-                "found_inf": found,
-                "norm": norm if finite else None,
-                "ref_norm": ref,
-                "ref_norm_scaled_grads": ref_norm(grads32, 1.0 / scale),
-                "rel_err": abs(norm - ref) / ref if finite else None,
-                "nonzero_fp32": nonzero,
-                "flushed": flushed,
-                "flushed_frac": flushed / nonzero,
-                "subnormal": subnormal,
-                "subnormal_frac": subnormal / nonzero,
-                "max_abs_scaled_fp32": max(float(g.abs().max()) for g in grads32),
-            })
-
-    # Time on the FP16 list at the largest scale that did not overflow: where a dynamic loss scaler
-    # would settle, and the common case (no inf/NaN) that both implementations must scan completely.
-    ok = [r["log2_scale"] for r in sweep if r["dtype"] == "float16" and r["found_inf"] == 0]
-    timing_k = max(ok) if ok else LOG2_SCALES[0]
-    timing_grads = [g.to(torch.float16) for g in scaled[timing_k]]
-    timing = time_calls(timing_grads, 2.0 ** -timing_k, device, repeats)
-    for name in ("mpfused", "torch"):
-        timing[name]["rel_err"] = abs(timing[name]["norm"] - ref) / ref
-    timing.update(log2_scale=timing_k, tensors=len(timing_grads),
-                  elements=sum(g.numel() for g in timing_grads), cpu_count=os.cpu_count(),
-                  # Other processes on the machine inflate CPU timings: recorded, so they can be judged.
-                  loadavg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
-
+    summary = summarize(runs, cfg)
+    res = {
+        "device": str(device), "torch_version": torch.__version__, "mpfused_version": mpfused.__version__,
+        "cpu_count": os.cpu_count(), "loadavg_1min_at_start": load_start,
+        "loadavg_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "seed": args.seed, "quick": args.quick, "config": cfg, "parameters": n_params,
+        "data": {"train_files": TRAIN_FILES, "train_bytes": len(train_text), "heldout_files": HELDOUT_FILES,
+                 "heldout_bytes": len(held_text)},
+        "fp16_limits": {"log2_min_subnormal": LOG2_MIN_SUBNORMAL, "log2_min_normal": LOG2_MIN_NORMAL,
+                        "max": FP16.max, "lost_update_ratio": LOST_RATIO},
+        "table_fields": TABLE_FIELDS, "runs": runs, "summary": summary,
+    }
+    res["verdicts"] = verdicts(summary, runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "overflow_demo.json"
-    res = {
-        "device": str(device),
-        "build_info": mpfused.build_info(),
-        "torch_version": torch.__version__,
-        "seed": args.seed,
-        "quick": args.quick,
-        "data": {"files": cfg["files"], "bytes": len(text)},
-        "model": {"description": f"byte embedding {cfg['emb']} + 2-layer LSTM {cfg['hidden']} + linear head",
-                  "parameters": sum(p.numel() for p in model.parameters()),
-                  "tensors": len(grads1), "batch": cfg["batch"], "seq_len": cfg["seq"]},
-        "training": {"steps": steps, "seconds": train_s, "lr": LR, "losses": losses,
-                     "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-                     "eval_loss": eval_loss},
-        "sweep": sweep,
-        "timing": timing,
-        "notes": "norm/rel_err are null where the unscaled sum of squares is not finite (overflow). "
-                 "ref_norm: FP64 norm of the FP32 gradients of the unscaled loss; ref_norm_scaled_grads: "
-                 "FP64 norm of the FP32 gradients of S*loss times 1/S.",
-        "json_path": str(json_path),
-    }
+    print()
+    print_table(runs)
+    print_effects(res)
+    png = out / "demo.png"
+    res["figure"] = str(png) if write_figure(res, png) else None
     res["seconds_total"] = time.perf_counter() - t_start
-    json_path.write_text(json.dumps(res, indent=2, allow_nan=False))
-    print_report(res)
+    json_path = out / "demo.json"
+    res["json"] = str(json_path)
+    json_path.write_text(json.dumps(_json_safe(res), indent=1, allow_nan=False))
+    if device.type == "cpu" and load_start is not None:
+        print(f"\nms/step are wall times on {os.cpu_count()} CPUs; 1-min load average {load_start:.1f} at the start, "
+              f"{res['loadavg_1min_at_end']:.1f} at the end (other processes slow these timings down).")
+    print(f"\nwritten to {out}/: demo.json{', demo.png' if res['figure'] else ' (no matplotlib: no figure)'}  "
+          f"({res['seconds_total']:.1f} s)")
     return res
 
 

@@ -1,0 +1,377 @@
+"""mpfused.amp: one call turns an FP32 model and a torch optimizer into a mixed-precision setup.
+
+    model, optimizer, scaler = mpfused.amp.initialize(model, optimizer, opt_level="O2")
+    for x, y in data:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+The four levels (the table of apex.amp, implemented here from scratch):
+
+    level  model params          forward                          master weights  loss scale
+    O0     FP32                  FP32                             no (FP32)       1 (scaler disabled)
+    O1     FP32                  torch.autocast(dtype)            no (FP32)       dynamic
+    O2     dtype, norms FP32     inputs -> dtype, outputs -> FP32 FP32 masters    dynamic
+    O3     dtype                 inputs -> dtype                  no              1 (scaler disabled)
+
+``dtype`` is torch.float16 (default) or torch.bfloat16, for every level. The keyword arguments
+``keep_batchnorm_fp32``, ``loss_scale`` and ``master_weights`` override the level's defaults.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ._ops import has_cuda_kernels
+from .optim import FusedAdam, FusedAdamW, FusedSGD
+from .optim._base import FusedOptimizer
+from .scaler import GradScaler
+
+__all__ = ["initialize", "properties", "AmpProperties", "OPT_LEVELS", "NORM_LAYERS"]
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+# Normalization layers: kept in FP32 by O2 (and by O3 with keep_batchnorm_fp32=True). _NormBase covers
+# the whole BatchNorm family (BatchNorm1d/2d/3d, SyncBatchNorm, the Lazy variants) and InstanceNorm*.
+NORM_LAYERS: tuple = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+if hasattr(nn, "RMSNorm"):
+    NORM_LAYERS = NORM_LAYERS + (nn.RMSNorm,)
+
+# torch.optim class -> fused class. Exact types only: a user subclass may change step(), which the fused
+# optimizer would silently drop.
+_CONVERTIBLE = {torch.optim.Adam: FusedAdam, torch.optim.AdamW: FusedAdamW, torch.optim.SGD: FusedSGD}
+
+# The level defaults. cast: the model is cast to dtype; autocast: forward under torch.autocast;
+# cast_inputs/outputs_fp32: what the model's forward does to its floating inputs and low-precision outputs.
+_LEVELS = {
+    "O0": dict(cast=False, autocast=False, cast_inputs=False, outputs_fp32=False,
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
+    "O1": dict(cast=False, autocast=True, cast_inputs=False, outputs_fp32=True,
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale="dynamic"),
+    "O2": dict(cast=True, autocast=False, cast_inputs=True, outputs_fp32=True,
+               keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
+    "O3": dict(cast=True, autocast=False, cast_inputs=True, outputs_fp32=False,
+               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+}
+
+
+@dataclass(frozen=True)
+class AmpProperties:
+    """What initialize() resolved for a model: the level's defaults with the overrides applied."""
+
+    opt_level: str
+    dtype: torch.dtype
+    cast_model: bool            # params and buffers stored in dtype (except norm layers when kept FP32)
+    autocast: bool              # forward runs under torch.autocast(device_type, dtype)
+    cast_inputs: bool           # floating inputs of model(...) are cast to dtype
+    outputs_fp32: bool          # float16/bfloat16 outputs of model(...) are cast to float32
+    keep_batchnorm_fp32: Optional[bool]  # norm layers kept FP32 (None: the model is not cast)
+    master_weights: Optional[bool]       # FP32 master copies in the fused optimizer for low-precision params
+    loss_scale: Union[str, float]        # "dynamic" or the static scale (1.0: the scaler is disabled)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        return d
+
+
+def properties(model: nn.Module) -> Optional[AmpProperties]:
+    """The AmpProperties initialize() applied to ``model``, or None if it has not been initialized."""
+    return getattr(model, "_mpfused_amp", None)
+
+
+# ---- casting helpers ------------------------------------------------------------------------------
+def _cast_floating(obj, dtype: torch.dtype, only: Optional[tuple] = None):
+    """``obj`` with every floating tensor (or only those whose dtype is in ``only``) cast to ``dtype``,
+    through nested lists, tuples (namedtuples included) and dicts. Anything else is returned as is."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dtype != dtype and (only is None or obj.dtype in only):
+            return obj.to(dtype)
+        return obj
+    if isinstance(obj, tuple):
+        items = [_cast_floating(v, dtype, only) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [_cast_floating(v, dtype, only) for v in obj]
+    if isinstance(obj, dict):
+        items = [(k, _cast_floating(v, dtype, only)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
+            return dict(items)
+    return obj
+
+
+class _CastingForward:
+    """Replaces a module's forward (as an instance attribute): casts the floating inputs, optionally runs
+    under torch.autocast, casts the outputs. A plain object, so deepcopy rebinds it to the copy and
+    torch.save can pickle the module. Calls the class's forward, or the instance forward it replaced."""
+
+    def __init__(self, module: nn.Module, *, input_dtype=None, autocast=None, output_dtype=None,
+                 output_from: Optional[tuple] = None) -> None:
+        self.module = module
+        self.inner = module.__dict__.get("forward")  # an instance-level forward set before us, if any
+        self.input_dtype = input_dtype
+        self.autocast = autocast                      # None or (device_type, dtype)
+        self.output_dtype = output_dtype
+        self.output_from = output_from
+
+    def __call__(self, *args, **kwargs):
+        if self.input_dtype is not None:
+            args = _cast_floating(args, self.input_dtype)
+            kwargs = _cast_floating(kwargs, self.input_dtype)
+        forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        if self.autocast is not None:
+            with torch.autocast(device_type=self.autocast[0], dtype=self.autocast[1]):
+                out = forward(*args, **kwargs)
+        else:
+            out = forward(*args, **kwargs)
+        if self.output_dtype is not None:
+            out = _cast_floating(out, self.output_dtype, self.output_from)
+        return out
+
+
+def _cast_module_(module: nn.Module, dtype: torch.dtype, seen: set) -> dict:
+    """Casts the module's own floating params (in place through .data: the Parameter objects, and so
+    every optimizer's references to them, stay the same) and floating buffers to dtype. Returns
+    {param: its FP32 data before the cast}, the exact values for the FP32 master copies."""
+    originals = {}
+    for name, p in module._parameters.items():
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.is_floating_point() and p.dtype != dtype:
+            old = p.data
+            p.data = old.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+            originals[p] = old
+    for name, b in module._buffers.items():
+        if b is not None and b.is_floating_point() and b.dtype != dtype:
+            module._buffers[name] = b.to(dtype)
+    return originals
+
+
+# ---- argument checks ------------------------------------------------------------------------------
+def _check_loss_scale(loss_scale) -> Union[str, float]:
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {loss_scale!r}")
+        return loss_scale
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {type(loss_scale).__name__} "
+                         f"{loss_scale!r}")
+    value = float(loss_scale)
+    if not math.isfinite(value) or value <= 0 or value > 3.4e38:
+        raise ValueError(f"loss_scale must be a positive finite number (a static scale) or \"dynamic\", got "
+                         f"{loss_scale!r}")
+    return value
+
+
+def _check_optional_bool(name: str, value) -> None:
+    if value not in (None, True, False) or (value is not None and not isinstance(value, bool)):
+        raise ValueError(f"{name} must be None, True or False, got {value!r}")
+
+
+def _resolve(opt_level, dtype, keep_batchnorm_fp32, loss_scale, master_weights) -> AmpProperties:
+    if not isinstance(opt_level, str) or opt_level not in _LEVELS:
+        raise ValueError(f"unknown opt_level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)} "
+                         "(the letter O and a digit)")
+    if dtype not in _LOW_DTYPES:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    _check_optional_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    _check_optional_bool("master_weights", master_weights)
+    level = _LEVELS[opt_level]
+    if not level["cast"] and keep_batchnorm_fp32 is False:
+        raise ValueError(f"keep_batchnorm_fp32=False cannot hold at {opt_level}: {opt_level} keeps the whole "
+                         "model in FP32 (use O3 for low-precision normalization layers)")
+    keep = level["keep_batchnorm_fp32"] if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
+    if not level["cast"]:
+        keep = None
+    return AmpProperties(
+        opt_level=opt_level, dtype=dtype, cast_model=level["cast"], autocast=level["autocast"],
+        cast_inputs=level["cast_inputs"], outputs_fp32=level["outputs_fp32"], keep_batchnorm_fp32=keep,
+        # FP32 params need no master copy: the override only matters where the model is cast.
+        master_weights=(level["master_weights"] if master_weights is None else master_weights) if level["cast"] else False,
+        loss_scale=level["loss_scale"] if loss_scale is None else _check_loss_scale(loss_scale))
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _fused_kwargs(cls, defaults: dict) -> dict:
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in defaults.items() if k in accepted and k not in ("self", "params", "master_weights")}
+
+
+def _convert_optimizer(opt, master_weights):
+    """The fused optimizer that continues ``opt``: same param groups (the same Parameter objects), the
+    same hyperparameters and extra group keys, the same state (moments, step counts)."""
+    fused_cls = _CONVERTIBLE[type(opt)]
+    if getattr(opt.step, "_wrapped_by_lr_sched", False):
+        warnings.warn(f"an LR scheduler is attached to this {type(opt).__name__}; amp.initialize replaces the "
+                      f"optimizer by a {fused_cls.__name__}, and the scheduler keeps driving the old one. "
+                      "Create LR schedulers after amp.initialize.", stacklevel=3)
+    fused = fused_cls([{"params": list(g["params"])} for g in opt.param_groups],
+                      master_weights=master_weights, **_fused_kwargs(fused_cls, opt.defaults))
+    # torch.optim state dicts load into the fused optimizers: every group's hyperparameters (and any
+    # extra keys, e.g. a scheduler's initial_lr) and the state tensors (FP32 stays FP32). The tensors are
+    # taken over, not copied: no second copy of the moments, even for a moment; opt must not step again.
+    fused.load_state_dict(opt.state_dict())
+    return fused
+
+
+# ---- the entry point ------------------------------------------------------------------------------
+def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype: torch.dtype = torch.float16,
+               keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None,
+               master_weights: Optional[bool] = None):
+    """Sets up mixed-precision training at ``opt_level`` and returns ``(model, optimizer, scaler)``.
+
+    ``model``: an FP32 ``nn.Module``; it is modified in place (its Parameter objects are kept, so
+    optimizers and other references to them stay valid) and returned.
+
+    ``optimizer``: None, one optimizer or a list/tuple of them, all over params of ``model``. A
+    ``torch.optim.Adam``, ``AdamW`` or ``SGD`` is replaced by ``mpfused.optim.FusedAdam``, ``FusedAdamW``
+    or ``FusedSGD`` with the same param groups, hyperparameters and state; a fused optimizer is kept. Any
+    other optimizer is kept as is, except where FP32 master weights are needed (O2, or
+    ``master_weights=True`` with a low-precision model): that is an error. Create LR schedulers after
+    this call (they hold a reference to the optimizer).
+
+    ``opt_level``: "O0" FP32 (the accuracy baseline, loss scale 1); "O1" FP32 weights, forward under
+    ``torch.autocast(device_type, dtype)`` with its low-precision outputs returned as FP32, dynamic loss
+    scaling; "O2" model in ``dtype`` except normalization layers (``NORM_LAYERS``: the BatchNorm and
+    InstanceNorm family, LayerNorm, GroupNorm, ...) which compute in FP32, floating inputs cast to
+    ``dtype`` and outputs back to FP32, FP32 master weights in the fused optimizer, dynamic loss scaling;
+    "O3" everything in ``dtype`` (inputs cast, outputs left in ``dtype``), loss scale 1 (the speed
+    baseline).
+
+    Overrides (None: the level's default): ``keep_batchnorm_fp32`` (O2/O3); ``loss_scale``: "dynamic"
+    or a positive number, a static scale; ``master_weights``: whether the fused optimizer keeps FP32
+    masters for the low-precision params.
+
+    The scaler is an ``mpfused.GradScaler`` on the model's device: dynamic, static
+    (``dynamic=False`` at the given scale) or, for a scale of exactly 1, disabled (``scale`` returns the
+    loss as is, ``step`` calls ``optimizer.step()``, ``update`` does nothing, ``get_scale()`` is 1.0;
+    steps are then not checked for inf/NaN, as in plain training). The same loop works at every level.
+    With several optimizers call ``scaler.step`` on each, then ``scaler.update()`` once.
+    """
+    props = _resolve(opt_level, dtype, keep_batchnorm_fp32, loss_scale, master_weights)
+
+    # ---- validate everything before anything is modified ----
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if properties(model) is not None:
+        raise RuntimeError(f"this model was already initialized by mpfused.amp.initialize "
+                           f"(opt_level {properties(model).opt_level}); call it once, on the FP32 model")
+    names = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"amp.initialize expects an FP32 model, but parameter {name!r} is {p.dtype}; call it "
+                             "on the FP32 model (the level decides what is cast)")
+    if optimizer is None:
+        optimizers, container = [], None
+    elif isinstance(optimizer, (list, tuple)):
+        optimizers, container = list(optimizer), type(optimizer)
+    else:
+        optimizers, container = [optimizer], "single"
+    for k, opt in enumerate(optimizers):
+        where = f"optimizer {k}" if container not in (None, "single") else "optimizer"
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise ValueError(f"{where}: param {pi} of param group {gi} (shape {tuple(p.shape)}, {p.dtype}) "
+                                     "is not a parameter of the model; amp.initialize casts the model's params, "
+                                     "so every optimized param must belong to it")
+    low_params = props.cast_model and any(p.is_floating_point() for p in model.parameters())
+    needs_masters = low_params and props.master_weights is not False
+    for k, opt in enumerate(optimizers):
+        if type(opt) in _CONVERTIBLE and any(g.get("differentiable", False) for g in opt.param_groups):
+            raise ValueError(f"{type(opt).__name__}(differentiable=True) cannot be converted: the fused optimizers "
+                             "do not differentiate through step()")
+        if needs_masters and not isinstance(opt, FusedOptimizer) and type(opt) not in _CONVERTIBLE:
+            raise ValueError(
+                f"{opt_level} keeps FP32 master weights inside a fused optimizer, and {type(opt).__name__} cannot "
+                "be converted to one: use torch.optim.Adam, AdamW or SGD, or mpfused.optim.FusedAdam, FusedAdamW "
+                "or FusedSGD (or pass master_weights=False to update the low-precision params directly)")
+    device = _model_device(model)
+    fused_needed = any(isinstance(o, FusedOptimizer) or type(o) in _CONVERTIBLE for o in optimizers)
+    scaler_enabled = props.loss_scale != 1.0
+    if device.type == "cuda" and (fused_needed or scaler_enabled):
+        if not has_cuda_kernels():
+            raise RuntimeError("the model is on CUDA, but this mpfused build has no CUDA kernels (the fused "
+                               "optimizers and the scaler need them); rebuild on a machine with nvcc: "
+                               "pip install --no-build-isolation --force-reinstall --no-deps .")
+
+    # ---- optimizers (built over the still-FP32 params: nothing is modified if this fails) ----
+    group_masters = props.master_weights if props.cast_model else None
+    converted = [_convert_optimizer(o, group_masters) if type(o) in _CONVERTIBLE else o for o in optimizers]
+    for opt in converted:
+        if isinstance(opt, FusedOptimizer):
+            for group in opt.param_groups:
+                group["master_weights"] = group_masters
+
+    # ---- the model ----
+    if props.cast_model:
+        originals, seen = {}, set()
+        keep_norms = bool(props.keep_batchnorm_fp32)
+        for module in model.modules():
+            if keep_norms and isinstance(module, NORM_LAYERS):
+                # FP32 params and statistics; FP32 in, the model's dtype out.
+                for p in module._parameters.values():
+                    if p is not None:
+                        seen.add(id(p))
+                module.forward = _CastingForward(module, input_dtype=torch.float32, output_dtype=props.dtype,
+                                                 output_from=(torch.float32,))
+                continue
+            originals.update(_cast_module_(module, props.dtype, seen))
+        # The exact FP32 values become the master copies (not the rounded low-precision params).
+        for opt in converted:
+            if not isinstance(opt, FusedOptimizer):
+                continue
+            for group in opt.param_groups:
+                if group["master_weights"] is False:
+                    continue
+                for p in group["params"]:
+                    if p in originals:
+                        opt.state[p]["master_param"] = originals[p].contiguous()
+        model.forward = _CastingForward(
+            model, input_dtype=props.dtype if props.cast_inputs else None,
+            output_dtype=torch.float32 if props.outputs_fp32 else None, output_from=_LOW_DTYPES)
+    elif props.autocast:
+        model.forward = _CastingForward(model, autocast=(device.type, props.dtype), output_dtype=torch.float32,
+                                        output_from=_LOW_DTYPES)
+    model._mpfused_amp = props
+
+    # ---- the scaler ----
+    if props.loss_scale == "dynamic":
+        scaler = GradScaler(str(device))
+    elif props.loss_scale == 1.0:
+        scaler = GradScaler(str(device), enabled=False)
+    else:
+        scaler = GradScaler(str(device), init_scale=props.loss_scale, dynamic=False)
+
+    if container is None:
+        out_opt: Any = None
+    elif container == "single":
+        out_opt = converted[0]
+    else:
+        out_opt = container(converted)
+    return model, out_opt, scaler

@@ -1,0 +1,508 @@
+"""mpfused.amp.initialize: the O0-O3 table, overrides, input/output casting, optimizer conversion (same
+hyperparameters, param groups and state), errors, and O2 tracking O0."""
+
+import copy
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mpfused import amp
+from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from tolerances import AMP_O2_VS_O0_LOSS_ATOL, OPTIM_FP32_ATOL
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+LOWP = [torch.float16, torch.bfloat16]
+NORM_TYPES = (nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d)
+
+
+class Net(nn.Module):
+    """Linear layers around every kind of normalization layer amp keeps in FP32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.ln = nn.LayerNorm(16)
+        self.gn = nn.GroupNorm(4, 16)
+        self.inorm = nn.InstanceNorm1d(16, affine=True)
+        self.fc2 = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = F.gelu(self.ln(self.bn(self.fc1(x))))
+        h = self.gn(h)
+        h = self.inorm(h.unsqueeze(-1).expand(-1, -1, 3)).mean(-1)
+        return self.fc2(h)
+
+
+def net(device, seed=0):
+    torch.manual_seed(seed)
+    return Net().to(device)
+
+
+def batch(device, n=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=g).to(device), torch.randint(0, 5, (n,), generator=g).to(device)
+
+
+def iteration(model, opt, scaler, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.item()
+
+
+def is_norm(module):
+    return isinstance(module, NORM_TYPES)
+
+
+# ---- the table --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("level", LEVELS)
+def test_level_table(device, level, dtype):
+    model = net(device)
+    params_before = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, scaler = amp.initialize(model, opt, level, dtype=dtype)
+
+    # Parameter objects are kept (cast in place); the torch optimizer became the fused one.
+    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert type(opt) is FusedAdamW
+    cast = level in ("O2", "O3")
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if not cast or (level == "O2" and is_norm(module)):
+                assert p.dtype == torch.float32, (level, module)
+            else:
+                assert p.dtype == dtype, (level, module)
+    bn = model.bn
+    assert bn.running_mean.dtype == (dtype if level == "O3" else torch.float32)
+    assert bn.num_batches_tracked.dtype == torch.int64
+
+    # The scaler: dynamic at O1/O2, disabled (scale 1) at O0/O3.
+    if level in ("O1", "O2"):
+        assert scaler.is_enabled() and scaler.get_scale() == 2.0**16 and scaler.state_dict()["dynamic"] is True
+    else:
+        assert not scaler.is_enabled() and scaler.get_scale() == 1.0
+
+    props = amp.properties(model)
+    assert props.opt_level == level and props.dtype == dtype
+    assert props.master_weights is (level == "O2")
+    assert props.keep_batchnorm_fp32 is {"O0": None, "O1": None, "O2": True, "O3": False}[level]
+
+    x, y = batch(device)
+    out = model(x)
+    assert out.dtype == (dtype if level == "O3" else torch.float32)
+    losses = [iteration(model, opt, scaler, x, y) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+    # FP32 master copies exactly for the low-precision params, and only at O2.
+    for p in model.parameters():
+        state = opt.state[p]
+        if level == "O2" and p.dtype == dtype:
+            assert state["master_param"].dtype == torch.float32
+            assert torch.equal(state["master_param"].to(dtype), p)
+        else:
+            assert "master_param" not in state
+        assert state["exp_avg"].dtype == torch.float32
+
+
+def test_o1_runs_forward_under_autocast_and_returns_fp32(device):
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            seen["autocast"] = torch.is_autocast_enabled(x.device.type)
+            seen["autocast_dtype"] = torch.get_autocast_dtype(x.device.type)
+            out = self.fc(x)
+            seen["linear_out"] = out.dtype
+            return out, {"int": torch.arange(3, device=x.device)}
+
+    for dtype in LOWP:
+        torch.manual_seed(0)
+        model, _, _ = amp.initialize(Probe().to(device), None, "O1", dtype=dtype)
+        out, extra = model(torch.randn(2, 4, device=device))
+        assert seen == {"autocast": True, "autocast_dtype": dtype, "linear_out": dtype}
+        assert out.dtype == torch.float32 and extra["int"].dtype == torch.int64
+        assert not torch.is_autocast_enabled(device)  # the context was left
+        assert model.fc.weight.dtype == torch.float32
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_inputs_cast_to_dtype_and_outputs_back_to_fp32_through_nesting(device, level):
+    seen = {}
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, pair, items, *, extra, ids):
+            seen.update(x=x.dtype, a=pair.a.dtype, b=pair.b.dtype, item0=items[0].dtype, d=items[1]["d"].dtype,
+                        extra=extra.dtype, ids=ids.dtype, pair_type=type(pair), items_type=type(items))
+            h = self.fc(x)
+            return OrderedDict(out=h, pair=Pair(h, ids), parts=[h.double(), (h, 3)])
+
+    dtype = torch.float16
+    model, _, _ = amp.initialize(Nested().to(device), None, level, dtype=dtype)
+    f32 = torch.randn(2, 4, device=device)
+    out = model(f32, Pair(f32.double(), f32.bfloat16()), [f32, {"d": f32}], extra=f32,
+                ids=torch.arange(2, device=device))
+    # Every floating input arrives in dtype (float64 and bfloat16 included); integer ones are untouched.
+    assert {k: seen[k] for k in ("x", "a", "b", "item0", "d", "extra")} == dict.fromkeys(
+        ("x", "a", "b", "item0", "d", "extra"), dtype)
+    assert seen["ids"] == torch.int64 and seen["pair_type"] is Pair and seen["items_type"] is list
+    assert type(out) is OrderedDict and type(out["pair"]) is Pair
+    expected = torch.float32 if level == "O2" else dtype
+    assert out["out"].dtype == expected and out["pair"].a.dtype == expected and out["parts"][1][0].dtype == expected
+    assert out["pair"].b.dtype == torch.int64 and out["parts"][1][1] == 3
+    assert out["parts"][0].dtype == torch.float64  # not a low-precision output: left alone
+    # The FP32 output is the low-precision value, exactly.
+    assert torch.equal(out["out"], model.fc(f32.to(dtype)).float())
+
+
+def test_o2_norm_layers_compute_in_fp32_and_hand_back_dtype(device):
+    seen = []
+
+    class RecordingLN(nn.LayerNorm):
+        def forward(self, x):
+            seen.append((x.dtype, self.weight.dtype))
+            return super().forward(x)
+
+    model = nn.Sequential(nn.Linear(6, 8), RecordingLN(8), nn.Linear(8, 2)).to(device)
+    for dtype in LOWP:
+        seen.clear()
+        m, _, _ = amp.initialize(copy.deepcopy(model), None, "O2", dtype=dtype)
+        hidden = []
+        m[1].register_forward_hook(lambda mod, args, out: hidden.append(out.dtype))
+        m(torch.randn(3, 6, device=device))
+        assert seen == [(torch.float32, torch.float32)]
+        assert hidden == [dtype]  # the next layer gets dtype
+
+
+# ---- overrides --------------------------------------------------------------------------------------
+def test_keep_batchnorm_fp32_overrides(device):
+    model, _, _ = amp.initialize(net(device), None, "O2", keep_batchnorm_fp32=False)
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert model.bn.running_var.dtype == torch.float16
+    model, _, _ = amp.initialize(net(device), None, "O3", keep_batchnorm_fp32=True)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            assert p.dtype == (torch.float32 if is_norm(module) else torch.float16)
+    assert model(batch(device)[0]).dtype == torch.float16  # O3 outputs stay in dtype
+    with pytest.raises(ValueError, match="keep_batchnorm_fp32=False cannot hold at O1"):
+        amp.initialize(net(device), None, "O1", keep_batchnorm_fp32=False)
+    model, _, _ = amp.initialize(net(device), None, "O1", keep_batchnorm_fp32=True)  # trivially true
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("level,master_weights,expect", [("O2", False, False), ("O3", True, True)])
+def test_master_weights_override(device, level, master_weights, expect):
+    model = net(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt, scaler = amp.initialize(model, opt, level, master_weights=master_weights)
+    assert amp.properties(model).master_weights is expect
+    x, y = batch(device)
+    iteration(model, opt, scaler, x, y)
+    low = [p for p in model.parameters() if p.dtype == torch.float16]
+    assert low and all(("master_param" in opt.state[p]) is expect for p in low)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_loss_scale_overrides(device, level):
+    x, y = batch(device)
+    # A static scale: kept through steps, not grown.
+    model = net(device)
+    model, opt, scaler = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, loss_scale=128.0)
+    assert scaler.is_enabled() and scaler.state_dict()["dynamic"] is False and amp.properties(model).loss_scale == 128.0
+    assert scaler.scale(torch.ones((), device=device)).item() == 128.0
+    for _ in range(3):
+        iteration(model, opt, scaler, x, y)
+    assert scaler.get_scale() == 128.0
+    # "dynamic" at every level, including O0 and O3.
+    model = net(device)
+    model, opt, scaler = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level,
+                                        loss_scale="dynamic")
+    assert scaler.is_enabled() and scaler.state_dict()["dynamic"] is True
+    # 1 (an int is fine): the scaler is a pass-through.
+    model = net(device)
+    model, opt, scaler = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, loss_scale=1)
+    loss = torch.tensor(3.0, device=device)
+    assert not scaler.is_enabled() and scaler.scale(loss) is loss and scaler.get_scale() == 1.0
+    iteration(model, opt, scaler, x, y)
+
+
+def test_dynamic_scaler_skips_an_overflowing_step_at_o2(device):
+    model = net(device)
+    model, opt, scaler = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(device)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(F.cross_entropy(model(x), y) * 1e10).backward()  # overflows FP16 gradients
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---- optimizer conversion ---------------------------------------------------------------------------
+CONVERSIONS = {
+    "adam-amsgrad": (torch.optim.Adam, FusedAdam, dict(lr=2e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                                                        amsgrad=True)),
+    "adamw-maximize": (torch.optim.AdamW, FusedAdamW, dict(lr=1e-3, weight_decay=0.05, maximize=True)),
+    "sgd-nesterov": (torch.optim.SGD, FusedSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "sgd-dampening": (torch.optim.SGD, FusedSGD, dict(lr=0.05, momentum=0.8, dampening=0.3)),
+}
+
+
+def two_groups(model, kw):
+    return [{"params": [model.fc1.weight, model.fc1.bias], "lr": kw["lr"] / 2, "name": "first"},
+            {"params": [p for n, p in model.named_parameters() if not n.startswith("fc1.")]}]
+
+
+def train_steps(model, opt, n, seed=2, scaler=None):
+    losses = []
+    for i in range(n):
+        x, y = batch(next(model.parameters()).device, seed=seed + i)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).float(), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSIONS))
+def test_conversion_keeps_hyperparameters_groups_and_state_and_continues_like_torch(device, case):
+    torch_cls, fused_cls, kw = CONVERSIONS[case]
+    model = net(device)
+    opt = torch_cls(two_groups(model, kw), **kw)
+    train_steps(model, opt, 3)
+    reference_model = copy.deepcopy(model)
+    reference = torch_cls(two_groups(reference_model, kw), **kw)
+    reference.load_state_dict(copy.deepcopy(opt.state_dict()))  # (the fused one takes over opt's tensors)
+    torch_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    torch_state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                   for p in model.parameters()}
+
+    model, fused, scaler = amp.initialize(model, opt, "O0")
+    assert type(fused) is fused_cls
+    assert len(fused.param_groups) == 2
+    for group, expected in zip(fused.param_groups, torch_groups):
+        for key, value in expected.items():
+            assert group[key] == value, key
+    assert fused.param_groups[0]["name"] == "first" and fused.param_groups[0]["lr"] == kw["lr"] / 2
+    assert [p for g in fused.param_groups for p in g["params"]] == [p for g in opt.param_groups for p in g["params"]]
+    for p in model.parameters():
+        for key, value in torch_state[p].items():
+            if key == "step" and fused_cls is FusedSGD:
+                continue
+            assert torch.equal(torch.as_tensor(fused.state[p][key]).float(), torch.as_tensor(value).float()), key
+
+    # It continues the trajectory torch would have taken.
+    ours = train_steps(model, fused, 20, seed=50, scaler=scaler)
+    ref = train_steps(reference_model, reference, 20, seed=50)
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=OPTIM_FP32_ATOL)
+    assert ours == pytest.approx(ref, rel=1e-4)
+    assert abs(ours[-1] - ours[0]) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_o2_conversion_takes_the_exact_fp32_values_as_masters(device, dtype):
+    model = net(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_steps(model, opt, 2)
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    model, fused, _ = amp.initialize(model, opt, "O2", dtype=dtype)
+    for n, p in model.named_parameters():
+        state = fused.state[p]
+        assert torch.equal(state["exp_avg"], moments[n])
+        if p.dtype == dtype:
+            assert torch.equal(state["master_param"], fp32[n])  # not the rounded param
+            assert not torch.equal(p.float(), fp32[n])          # (the rounding did change it)
+        else:
+            assert torch.equal(p, fp32[n]) and "master_param" not in state
+
+
+def test_a_fused_optimizer_is_kept_and_gets_exact_masters(device):
+    model = net(device)
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, out, _ = amp.initialize(model, opt, "O2")
+    assert out is opt
+    assert all(torch.equal(opt.state[p]["master_param"], fp32[n])
+               for n, p in model.named_parameters() if p.dtype == torch.float16)
+
+
+def test_lists_of_optimizers_and_none(device):
+    model = net(device)
+    first = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    second = FusedAdam([p for n, p in model.named_parameters() if not n.startswith("fc1.")])
+    m, opts, scaler = amp.initialize(model, [first, second], "O2")
+    assert type(opts) is list and type(opts[0]) is FusedSGD and opts[1] is second
+    x, y = batch(device)
+    opts[0].zero_grad()
+    opts[1].zero_grad()
+    scaler.scale(F.cross_entropy(m(x), y)).backward()
+    for o in opts:
+        scaler.step(o)
+    scaler.update()
+    assert all("master_param" in o.state[p] for o in opts for g in o.param_groups for p in g["params"]
+               if p.dtype == torch.float16)
+    model = net(device)
+    _, opts, _ = amp.initialize(model, (torch.optim.Adam(model.parameters()),), "O1")
+    assert type(opts) is tuple and len(opts) == 1 and type(opts[0]) is FusedAdam
+    _, none, scaler = amp.initialize(net(device), None, "O2")
+    assert none is None and scaler.is_enabled()
+
+
+def test_a_non_convertible_optimizer_is_kept_where_no_masters_are_needed(device):
+    for level, kwargs in (("O1", {}), ("O3", {}), ("O2", {"master_weights": False})):
+        model = net(device)
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+        model, out, scaler = amp.initialize(model, opt, level, **kwargs)
+        assert out is opt
+        x, y = batch(device)
+        iteration(model, out, scaler, x, y)
+
+
+def test_deepcopy_and_state_dict_of_an_initialized_model(device):
+    model, _, _ = amp.initialize(net(device), None, "O2")
+    keys = set(net(device).state_dict())
+    assert set(model.state_dict()) == keys
+    x = batch(device)[0]
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    model.eval()
+    clone.eval()
+    out, out_clone = model(x), clone(x)
+    assert out.dtype == out_clone.dtype == torch.float32
+    assert not torch.equal(out, out_clone)  # the copy's forward runs the copy, not the original
+    assert amp.properties(clone) == amp.properties(model)
+
+
+def test_an_lr_scheduler_made_before_initialize_warns(device):
+    model = net(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with pytest.warns(UserWarning, match="Create LR schedulers after amp.initialize"):
+        amp.initialize(model, opt, "O2")
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(opt_level="O4"), ValueError, "unknown opt_level 'O4'"),
+    (dict(opt_level="o2"), ValueError, "unknown opt_level"),
+    (dict(opt_level=2), ValueError, "unknown opt_level"),
+    (dict(dtype=torch.float32), ValueError, "dtype must be torch.float16 or torch.bfloat16"),
+    (dict(dtype="float16"), ValueError, "dtype must be"),
+    (dict(loss_scale=0), ValueError, "loss_scale must be a positive"),
+    (dict(loss_scale=-2.0), ValueError, "loss_scale must be a positive"),
+    (dict(loss_scale=float("inf")), ValueError, "loss_scale must be a positive"),
+    (dict(loss_scale=float("nan")), ValueError, "loss_scale must be a positive"),
+    (dict(loss_scale="static"), ValueError, "loss_scale must be \"dynamic\""),
+    (dict(loss_scale=True), ValueError, "loss_scale must be \"dynamic\""),
+    (dict(loss_scale=torch.tensor(2.0)), ValueError, "loss_scale must be \"dynamic\""),
+    (dict(master_weights="yes"), ValueError, "master_weights must be None, True or False"),
+    (dict(keep_batchnorm_fp32=1), ValueError, "keep_batchnorm_fp32 must be None, True or False"),
+])
+def test_bad_arguments_raise_before_anything_changes(device, kwargs, error, match):
+    model = net(device)
+    opt = torch.optim.Adam(model.parameters())
+    kwargs = dict(dict(opt_level="O2"), **kwargs)
+    with pytest.raises(error, match=match):
+        amp.initialize(model, opt, **kwargs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert amp.properties(model) is None and "forward" not in model.__dict__
+
+
+def test_unsupported_optimizer_for_o2_raises_and_changes_nothing(device):
+    model = net(device)
+    opt = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(ValueError, match="RMSprop cannot be converted"):
+        amp.initialize(model, opt, "O2")
+    with pytest.raises(ValueError, match="RMSprop cannot be converted"):
+        amp.initialize(model, opt, "O3", master_weights=True)
+
+    class MyAdam(torch.optim.Adam):  # a subclass may change step(): not converted silently
+        pass
+
+    with pytest.raises(ValueError, match="MyAdam cannot be converted"):
+        amp.initialize(model, MyAdam(model.parameters()), "O2")
+    with pytest.raises(ValueError, match="differentiable=True"):
+        amp.initialize(model, torch.optim.Adam(model.parameters(), differentiable=True), "O1")
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
+
+
+def test_optimizer_over_foreign_params_raises(device):
+    model = net(device)
+    stranger = nn.Parameter(torch.zeros(3, device=device))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [stranger]}], lr=0.1)
+    with pytest.raises(ValueError, match="param 0 of param group 1 .* is not a parameter of the model"):
+        amp.initialize(model, opt, "O2")
+    with pytest.raises(ValueError, match="optimizer 1: param 0 of param group 1"):
+        amp.initialize(model, [torch.optim.SGD(model.parameters(), lr=0.1), opt], "O1")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_other_bad_inputs(device):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        amp.initialize([nn.Linear(2, 2)], None, "O2")
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        amp.initialize(net(device), "adam", "O2")
+    with pytest.raises(ValueError, match="expects an FP32 model, but parameter 'fc1.weight' is torch.float16"):
+        amp.initialize(net(device).half(), None, "O2")
+    model, _, _ = amp.initialize(net(device), None, "O2")
+    with pytest.raises(RuntimeError, match="already initialized"):
+        amp.initialize(model, None, "O2")
+
+
+# ---- O2 tracks O0 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", LOWP)
+def test_o2_tracks_o0_over_100_steps(device, dtype):
+    """A small MLP with LayerNorm and BatchNorm on a fixed teacher task, AdamW, 100 steps, the same data:
+    O2's loss stays within AMP_O2_VS_O0_LOSS_ATOL of O0's at every step (see tolerances.py), while the
+    loss itself falls by far more than that, and a 10% larger lr alone moves O0 by more than that."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.BatchNorm1d(64),
+                             nn.GELU(), nn.Linear(64, 10)).to(device)
+
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.randn(32, 10, generator=g)
+    data = []
+    for _ in range(100):
+        x = torch.randn(64, 32, generator=g)
+        data.append((x.to(device), (x @ teacher).argmax(1).to(device)))
+
+    def run(level, lr=1e-3):
+        model = build()
+        model, opt, scaler = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), level, dtype=dtype)
+        return [iteration(model, opt, scaler, x, y) for x, y in data]
+
+    o0, o2 = run("O0"), run("O2")
+    tol = AMP_O2_VS_O0_LOSS_ATOL[dtype]
+    gaps = [abs(a - b) for a, b in zip(o0, o2)]
+    assert max(gaps) <= tol, (max(gaps), tol)
+    assert o0[0] - o0[-1] > 100 * tol
+    assert max(abs(a - b) for a, b in zip(o0, run("O0", lr=1.1e-3))) > 5 * tol
