@@ -37,6 +37,11 @@ struct OverflowArgs {
   const float* inv_scale;    // nullptr, or one float: values are multiplied by it (sum and unscale)
   bool unscale;              // write x * inv_scale back in place; needs inv_scale
   float* sumsq;              // nullptr, or one float: += sum of squares of the (unscaled) values
+  // The sync-free scaler iteration, in one launch:
+  bool overwrite;            // found_inf (and sumsq) hold this call's result alone: no zeroing needed
+  float* norm;               // nullptr, or one float: set to sqrt(*sumsq) after the reduction; needs sumsq
+  unsigned int* counter;     // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed
+                             //   (spares the memset of a fresh counter); one stream at a time
 };
 
 // Work split: chunk sizes and per-launch capacities. The CUDA limits follow from the 32 KB kernel
@@ -77,6 +82,9 @@ struct OptimArgs {
   const float* clip_sumsq;     // nullptr, or one float: the gradients' sum of squares; then also
   float max_norm;              //   multiplied by clip_coefficient(*clip_sumsq, max_norm) (core/optim.h)
   const float* found_inf;      // nullptr, or one float: != 0 skips the whole step (nothing is written)
+  unsigned int* counter;       // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed:
+                               //   then the step counters are incremented by the update launch's last
+                               //   block instead of a second launch; one stream at a time
 };
 
 constexpr PlanLimits kCpuOptimLimits{int64_t{1} << 14, INT32_MAX, INT32_MAX};
@@ -120,6 +128,12 @@ MPF_HD EpilogueScalars epilogue_scalars(const GemmArgs& g) {
 // inputs (bindings.cpp uses ATen's); this applies the epilogue and writes out (and pre_activation).
 // With out_dtype FP32, out may be acc itself: the epilogue is then applied in place.
 void gemm_epilogue_cpu(const float* acc, const GemmArgs& args, int num_threads);
+
+// CPU: the exact FP32 copy of an FP16/BF16 operand of `batch` (rows, cols) matrices, for the FP32 GEMM.
+// dst is dense and keeps src's orientation: batch x (rows, cols) row-major when src is row-major,
+// batch x (cols, rows) row-major (the transposed view of column-major matrices) when src is col-major,
+// so that both sides are read and written along their contiguous dimension.
+void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_t cols, float* dst, int num_threads);
 
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);

@@ -1,9 +1,13 @@
 """mpfused: fused CUDA/C++ kernels for mixed-precision training in PyTorch."""
 
 from . import optim
+from . import amp
 from ._ops import build_info, has_cuda_kernels, non_finite_check_
 from .scaler import GradScaler
 
 __version__ = build_info()["version"]
 
-__all__ = ["__version__", "optim", "GradScaler", "build_info", "has_cuda_kernels", "non_finite_check_"]
+__all__ = ["__version__", "optim", "amp", "GradScaler", "build_info", "has_cuda_kernels", "non_finite_check_"]
+from . import functional, nn
+from .functional import gemm
+__all__ += ["functional", "nn", "gemm"]

@@ -84,6 +84,9 @@ def non_finite_check_(
     *,
     unscale: bool = False,
     sumsq: Optional[torch.Tensor] = None,
+    overwrite: bool = False,
+    norm: Optional[torch.Tensor] = None,
+    counter: Optional[torch.Tensor] = None,
 ) -> None:
     """Checks every element of every tensor for inf/NaN in one pass (one launch per list on CUDA).
 
@@ -95,11 +98,19 @@ def non_finite_check_(
     - ``sumsq`` (float32, one element, optional): receives ``+=`` the FP32 sum of squares of the
       (unscaled) values, for global-norm clipping.
 
+    - ``overwrite=True``: ``found_inf`` (0.0 or 1.0) and ``sumsq`` hold this call's result alone, so they
+      may be fresh ``torch.empty`` tensors: no zero fill is needed (an empty list writes zeros).
+    - ``norm`` (float32, one element, optional, needs ``sumsq``): set to ``sqrt(sumsq)`` in the same launch.
+    - ``counter`` (int32, one element, zero, optional): scratch the CUDA kernel borrows for its last-block
+      reduction and leaves zero, sparing a memset per call; use one per stream. With overwrite, norm and
+      counter, the whole check is one kernel launch per list on CUDA.
+
     Tensors may be float32, float16 and bfloat16 in one list; they must be contiguous and on the device
     of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
     Never synchronises the host with the device.
     """
-    _C.non_finite_check_(_tensor_list(tensors, "tensors"), found_inf, inv_scale, bool(unscale), sumsq)
+    _C.non_finite_check_(_tensor_list(tensors, "tensors"), found_inf, inv_scale, bool(unscale), sumsq,
+                         bool(overwrite), norm, counter)
 
 
 def _lr_args(lr):
@@ -110,29 +121,31 @@ def _lr_args(lr):
 
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
-               max_norm=0.0, found_inf=None, grad_scale=None) -> None:
+               max_norm=0.0, found_inf=None, grad_scale=None, counter=None) -> None:
     """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
     gradient times ``inv_scale`` (or ``1 / grad_scale``, computed on the device) and ``clip_coef``, the update of the FP32 weight (``masters[i]`` when
     given, else the param itself) and FP32 moments, and the param stored in its dtype. When
     ``found_inf`` != 0 nothing is written, steps included. With ``clip_sumsq`` (the sum of squares of the
     unscaled gradients, on the device) the gradients are also multiplied by torch's clip coefficient
     ``min(1, max_norm / (sqrt(clip_sumsq) + 1e-6))``, computed in the kernel. ``lr`` is a float or a one-element float32
-    tensor on the device. Validates everything before writing anything."""
+    tensor on the device. ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA
+    update's last block increments the step counters, so the step is one launch per group instead of two.
+    Validates everything before writing anything."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
                   float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
-                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale)
+                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale, counter)
 
 
 def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
               maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None,
-              grad_scale=None) -> None:
+              grad_scale=None, counter=None) -> None:
     """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
     never written (torch then sets it to the gradient itself)."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
                  float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef,
-                 clip_sumsq, float(max_norm), found_inf, grad_scale)
+                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter)
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale=None, *, growth_factor,
@@ -142,3 +155,40 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_sc
     _C.loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale, float(growth_factor),
                           float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale),
                           float(max_scale), bool(dynamic))
+
+
+_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _number(x, name: str) -> float:
+    # A Python number only: float() of a CUDA tensor would synchronise the host with the device.
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a Python int or float, got {type(x).__name__}")
+    return float(x)
+
+
+def _optional_tensor(t, name: str):
+    if t is not None and not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    return t
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+         alpha: float = 1.0, beta: float = 0.0, c: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None, return_pre_activation: bool = False):
+    """``act(alpha * a @ b + beta * c + bias)`` from FP16/BF16 ``a`` and ``b`` with FP32 accumulation, as a
+    new tensor (see :func:`mpfused.functional.gemm` for the full contract). With
+    ``return_pre_activation``: ``(out, pre)``, ``pre`` being the value before the activation in the
+    output dtype (``out`` itself when there is no activation). Not differentiable; validates every
+    argument before anything is allocated or launched."""
+    for t, name in ((a, "a"), (b, "b")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if activation is not None and not (isinstance(activation, str) and activation in _ACTIVATIONS):
+        raise ValueError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got {activation!r}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {out_dtype!r}")
+    out, pre = _C.gemm(a, b, _optional_tensor(bias, "bias"), activation, _number(alpha, "alpha"),
+                       _number(beta, "beta"), _optional_tensor(c, "c"), out_dtype, bool(return_pre_activation))
+    return (out, pre) if return_pre_activation else out

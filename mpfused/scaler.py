@@ -39,7 +39,7 @@ class _Stage(enum.Enum):
 
 
 def _fresh_state() -> dict:
-    return {"stage": _Stage.READY, "found_inf": None, "sumsq": None, "max_norm": None}
+    return {"stage": _Stage.READY, "found_inf": None, "sumsq": None, "norm": None, "max_norm": None}
 
 
 def _check_int(name: str, value, lo: int) -> None:
@@ -97,6 +97,7 @@ class GradScaler:
         self._inv_scale: Optional[torch.Tensor] = None
         self._growth_tracker: Optional[torch.Tensor] = None
         self._hysteresis_left: Optional[torch.Tensor] = None
+        self._counter: Optional[torch.Tensor] = None
         self._last_found_inf: Optional[torch.Tensor] = None
         self._per_optimizer: defaultdict = defaultdict(_fresh_state)
 
@@ -112,6 +113,9 @@ class GradScaler:
         self._inv_scale = self._scale.double().reciprocal().float()
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=d)
         self._hysteresis_left = torch.full((1,), self._hysteresis, dtype=torch.int32, device=d)
+        # A zeroed counter the overflow kernel borrows for its last-block reduction and leaves zeroed:
+        # it saves the memset of a fresh one in every iteration.
+        self._counter = torch.zeros(1, dtype=torch.int32, device=d)
 
     # ---- scale ----------------------------------------------------------------------------------------
     def scale(self, outputs):
@@ -144,29 +148,44 @@ class GradScaler:
         """One multi-tensor pass per device: found_inf, optionally the sum of squares of the unscaled
         gradients, optionally the unscale in place; then the cross-rank reductions."""
         state = self._per_optimizer[id(optimizer)]
-        found = torch.zeros(1, dtype=torch.float32, device=self._device)
-        total = torch.zeros(1, dtype=torch.float32, device=self._device) if sumsq else None
-        for device, grads in self._grads_by_device(optimizer).items():
-            home = device == self._device
-            f = found if home else torch.zeros(1, dtype=torch.float32, device=device)
-            s = total if (home or total is None) else torch.zeros(1, dtype=torch.float32, device=device)
-            inv = None
-            if scaled and self._enabled:
-                inv = self._inv_scale if home else self._inv_scale.to(device, non_blocking=True)
-            _ops.non_finite_check_(grads, f, inv, unscale=unscale and inv is not None, sumsq=s)
-            if not home:
-                found.add_(f.to(self._device, non_blocking=True))
-                if total is not None:
-                    total.add_(s.to(self._device, non_blocking=True))
+        by_device = self._grads_by_device(optimizer)
+        norm = None
+        if set(by_device) <= {self._device}:
+            # The common case, all grads on the scaler's device: one launch writes found_inf, the sum of
+            # squares and the norm from scratch (fresh tensors need no zero fill, the counter no memset).
+            found = torch.empty(1, dtype=torch.float32, device=self._device)
+            total = torch.empty(1, dtype=torch.float32, device=self._device) if sumsq else None
+            norm = torch.empty(1, dtype=torch.float32, device=self._device) if sumsq else None
+            inv = self._inv_scale if scaled and self._enabled else None
+            _ops.non_finite_check_(by_device.get(self._device, []), found, inv, unscale=unscale and inv is not None,
+                                   sumsq=total, overwrite=True, norm=norm,
+                                   counter=self._counter)
+        else:
+            found = torch.zeros(1, dtype=torch.float32, device=self._device)
+            total = torch.zeros(1, dtype=torch.float32, device=self._device) if sumsq else None
+            for device, grads in by_device.items():
+                home = device == self._device
+                f = found if home else torch.zeros(1, dtype=torch.float32, device=device)
+                s = total if (home or total is None) else torch.zeros(1, dtype=torch.float32, device=device)
+                inv = None
+                if scaled and self._enabled:
+                    inv = self._inv_scale if home else self._inv_scale.to(device, non_blocking=True)
+                _ops.non_finite_check_(grads, f, inv, unscale=unscale and inv is not None, sumsq=s)
+                if not home:
+                    found.add_(f.to(self._device, non_blocking=True))
+                    if total is not None:
+                        total.add_(s.to(self._device, non_blocking=True))
         if self._process_group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._process_group)
             if total is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
+            norm = None  # the global norm is that of the reduced sum
         state["found_inf"] = found
         if sumsq:
             state["sumsq"] = total
+            state["norm"] = norm if norm is not None else total.sqrt()
 
     def unscale_(self, optimizer) -> None:
         """Unscales the optimizer's gradients in place (one pass per device, FP32/FP16/BF16) and records
@@ -207,7 +226,7 @@ class GradScaler:
             self._grad_pass(optimizer, unscale=False, sumsq=True, scaled=self._enabled)
             state["stage"] = _Stage.CHECKED
             state["max_norm"] = float(max_norm)
-            return state["sumsq"].sqrt()
+            return state["norm"]
         if self._enabled and state["stage"] in (_Stage.READY, _Stage.CHECKED):
             state["stage"] = _Stage.READY
             self.unscale_(optimizer)

@@ -225,6 +225,38 @@ def test_empty_list_and_empty_tensors_are_no_ops(device):
     assert found.item() == 0.0 and sumsq.item() == 3.0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_overwrite_mode_replaces_stale_results_and_writes_the_norm(device, dtype):
+    tensors = [torch.randn(n, device=device).to(dtype) for n in (3, 70_000, 1000)]
+    found, sumsq, norm = flag(device, 1.0), flag(device, 123.0), flag(device, -1.0)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    inv = torch.tensor([0.25], device=device)
+    mpfused.non_finite_check_(tensors, found, inv, sumsq=sumsq, overwrite=True, norm=norm, counter=counter)
+    expect = sum(float(((t.double() * 0.25) ** 2).sum()) for t in tensors)
+    assert found.item() == 0.0  # the stale 1.0 is replaced by this call's result
+    assert abs(sumsq.item() - expect) <= SUMSQ_RTOL[dtype] * expect
+    assert norm.item() == torch.sqrt(sumsq).item()
+    assert counter.item() == 0  # borrowed and left zero
+    tensors[1][69_999] = float("nan")
+    mpfused.non_finite_check_(tensors, found, inv, sumsq=sumsq, overwrite=True, norm=norm, counter=counter)
+    assert found.item() == 1.0 and counter.item() == 0
+
+
+def test_overwrite_mode_over_several_launches_and_an_empty_list(device):
+    # More tensors than one CUDA launch holds: the first launch starts from zero, the others add.
+    n = mpfused._ops.overflow_limits("cuda")["max_tensors"] + 5
+    tensors = [torch.full((7,), 2.0, device=device) for _ in range(n)]
+    found, sumsq, norm = flag(device, 1.0), flag(device, 1e9), flag(device)
+    mpfused.non_finite_check_(tensors, found, sumsq=sumsq, overwrite=True, norm=norm)
+    assert found.item() == 0.0 and sumsq.item() == 28.0 * n and norm.item() == pytest.approx((28.0 * n) ** 0.5)
+    tensors[-1][6] = float("inf")  # in the last launch only
+    mpfused.non_finite_check_(tensors, found, sumsq=sumsq, overwrite=True, norm=norm)
+    assert found.item() == 1.0
+    found, sumsq, norm = flag(device, 1.0), flag(device, 5.0), flag(device, 5.0)
+    mpfused.non_finite_check_([], found, sumsq=sumsq, overwrite=True, norm=norm)
+    assert (found.item(), sumsq.item(), norm.item()) == (0.0, 0.0, 0.0)
+
+
 def _bad_calls(device):
     good = torch.randn(8, device=device)
     f = flag(device)
@@ -240,6 +272,8 @@ def _bad_calls(device):
         (lambda: mpfused.non_finite_check_([good], f, torch.ones(1, device="meta")), r"inv_scale must be on"),
         (lambda: mpfused.non_finite_check_([good], f, sumsq=torch.zeros((), dtype=torch.float64, device=device)), r"sumsq must be a float32"),
         (lambda: mpfused.non_finite_check_([good], f, unscale=True), r"unscale=True needs inv_scale"),
+        (lambda: mpfused.non_finite_check_([good], f, norm=flag(device)), r"norm needs sumsq"),
+        (lambda: mpfused.non_finite_check_([good], f, counter=torch.zeros(1, device=device)), r"counter must be a zeroed int32"),
     ]
 
 
@@ -284,3 +318,19 @@ def test_cuda_no_host_sync_and_one_launch_per_list():
         torch.cuda.set_sync_debug_mode(0)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "overflow_kernel" in e.name]
     assert len(kernels) == 1, [e.name for e in kernels]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_overwrite_mode_is_one_launch_with_no_memset():
+    tensors = [torch.randn(1000 + i, device="cuda").to(DTYPES[i % 3]) for i in range(200)]
+    found, sumsq, norm = (torch.empty(1, device="cuda") for _ in range(3))
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    inv = torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        mpfused.non_finite_check_(tensors, found, inv, sumsq=sumsq, overwrite=True, norm=norm, counter=counter)
+        torch.cuda.synchronize()
+    gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(gpu) == 1 and "overflow_kernel" in gpu[0], gpu
+    assert counter.item() == 0 and found.item() == 0.0 and norm.item() == pytest.approx(sumsq.item() ** 0.5)

@@ -299,3 +299,28 @@ def test_cuda_iteration_never_syncs():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert scaler.found_inf().item() == 0.0
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_iteration_with_clipping_is_at_most_3_launches_per_group(dtype):
+    m = model("cuda").to(dtype)
+    opt = FusedAdamW(m.parameters(), lr=1e-3)  # one param group, one dtype
+    scaler = mpfused.GradScaler("cuda")
+    x, y = torch.randn(8, 12, device="cuda").to(dtype), torch.randint(0, 3, (8,), device="cuda")
+    for it in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(torch.nn.functional.cross_entropy(m(x).float(), y)).backward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            torch.cuda.synchronize()
+        gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if it > 0:  # the first iteration also creates the optimizer state
+            assert len(gpu) <= 3, gpu
+    assert torch.isfinite(norm).item() and norm.item() > 0
+    # The steps were incremented by the update launch's last block (no separate launch): all 3 taken.
+    assert all(s["step"].item() == 3.0 for s in opt.state.values())

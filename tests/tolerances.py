@@ -31,3 +31,45 @@ OPTIM_LOSS_RTOL = 1e-4
 # ulp of the low-precision dtype, on a small fraction of the elements.
 OPTIM_LOWP_MAX_ULP = 1
 OPTIM_LOWP_MISMATCH_FRACTION = 1e-3
+
+# GEMM on random normal inputs: our error against a float64 reference may be at most this factor times
+# torch's own error on the same inputs (torch.matmul of the FP32-widened inputs, rounded once to the
+# output dtype), per output dtype. Both accumulate exact FP16/BF16 products in FP32; only the order of
+# the additions differs (ATen's GEMM on the CPU, WMMA tiles on CUDA), so the errors are of the same size.
+GEMM_ERROR_FACTOR = {
+    torch.float32: 2.0,  # FP32 accumulation error only; summation orders differ (the issue's 2x)
+    torch.float16: 2.0,  # dominated by the final rounding to FP16 (<= 1/2 ulp), plus the FP32 error above
+    torch.bfloat16: 2.0,  # dominated by the final rounding to BF16 (<= 1/2 ulp), plus the FP32 error above
+}
+
+# GELU epilogue against torch's F.gelu on the same FP32 pre-activation: the tanh/erf of the C library
+# (CPU) or of CUDA differ from torch's vectorised ones by a few FP32 ulp, and where the tanh form cancels
+# (large negative inputs: 1 + tanh(...) is ~1e-7) the absolute difference stays below ~1e-6. The output
+# rounding can then land on the neighbouring FP16/BF16 value. (rtol, atol) per output dtype:
+GELU_TOL = {
+    torch.float32: (8 * 2.0**-24, 1e-5),  # a few FP32 ulp; atol for the cancellation region
+    torch.float16: (2.0**-10, 1e-5),  # one FP16 ulp (2^-10 relative), same atol
+    torch.bfloat16: (2.0**-7, 1e-5),  # one BF16 ulp (2^-7 relative), same atol
+}
+
+# FusedLinear against float64 autograd on the same low-precision values (forward and the three
+# gradients), as max |error| / max |reference|: both sides round every GEMM result, the pre-activation
+# and the activation's gradient to FP16/BF16 once or twice, so the error is a few units of the dtype's
+# rounding (2^-11 FP16, 2^-8 BF16) relative to the largest value. Our error must also stay within this
+# factor of torch's own (F.linear + activation in the same dtype) plus one unit of rounding.
+LINEAR_REL_TOL = {
+    torch.float16: 8 * 2.0**-11,  # a few FP16 roundings relative to the output's scale
+    torch.bfloat16: 8 * 2.0**-8,  # a few BF16 roundings relative to the output's scale
+}
+LINEAR_VS_TORCH_FACTOR = 2.0  # our error <= 2x torch's + one rounding unit (same roundings, other order)
+
+# amp O2 against O0 (tests/test_amp.py): a small MLP trained 100 AdamW steps on the same data, the loss
+# compared at every step (absolute; the loss is 1-2.3). O2's forward rounds weights and activations to
+# the low-precision dtype (unit roundoff u = 2^-11 FP16, 2^-8 BF16), so each step's loss differs from O0's
+# by a fraction of u times the loss; the FP32 master weights keep those roundings from accumulating in
+# the weights, so the gap does not grow with the steps. 2u leaves about 5x margin over what was measured
+# on the CPU (1.7e-4 FP16, 1.2e-3 BF16), while O3 (no masters) measured 3.2e-3 / 2.8e-2, above the bound.
+AMP_O2_VS_O0_LOSS_ATOL = {
+    torch.float16: 2 * 2.0**-11,  # 2u of FP16
+    torch.bfloat16: 2 * 2.0**-8,  # 2u of BF16
+}

@@ -19,13 +19,16 @@ enum class Activation : int32_t { kNone = 0, kRelu = 1, kGelu = 2 /* tanh approx
 
 MPF_HD float relu(float x) { return x < 0.0f ? 0.0f : x; }  // NaN stays NaN, like torch.relu
 
-// torch.nn.functional.gelu(x, approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// torch.nn.functional.gelu(x, approximate="tanh"): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+// computed as x / (1 + exp(-2u)), the same function: one expf instead of tanhf (about 5x cheaper in
+// glibc), and no cancellation in 1 + tanh(u) for negative u. exp overflows to inf for u < -44: then
+// x / inf = -0, the limit.
 MPF_HD float gelu_tanh(float x) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
   constexpr float kKappa = 0.044715f;
   const float x3 = fmul(fmul(x, x), x);
   const float inner = fmul(kSqrt2OverPi, fadd(x, fmul(kKappa, x3)));
-  return fmul(fmul(0.5f, x), fadd(1.0f, tanhf(inner)));
+  return fdiv(x, fadd(1.0f, expf(fmul(-2.0f, inner))));
 }
 
 // torch.nn.functional.gelu(x): 0.5 x (1 + erf(x / sqrt(2))).

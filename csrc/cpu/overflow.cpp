@@ -3,6 +3,7 @@
 // chunk and the chunk partials are added in plan order, so the result does not depend on the number
 // of threads.
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -37,14 +38,20 @@ void overflow_check_cpu(const OverflowArgs& a, int num_threads) {
   std::vector<std::pair<int64_t, int64_t>> work;  // (tensor, chunk)
   for (const PlanLaunch& l : plan_multi_tensor(numel.data(), a.num_tensors, kCpuOverflowLimits))
     for (const PlanItem& it : l.items) work.emplace_back(l.tensors[it.slot], it.chunk);
-  if (work.empty()) return;
-  dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
+  if (a.overwrite) {  // this call's result alone
+    *a.found_inf = 0.0f;
+    if (a.sumsq) *a.sumsq = 0.0f;
+  }
+  if (!work.empty()) {
+    dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
     using Mode = decltype(mode);
 #if MPF_HAVE_AVX2_CLONES
     if (cpu_has_avx2()) return avx2::run<Mode>(a, work, num_threads);
 #endif
     baseline::run<Mode>(a, work, num_threads);
-  });
+    });
+  }
+  if (a.norm && a.sumsq) *a.norm = std::sqrt(*a.sumsq);
 }
 
 }  // namespace mpf

@@ -2,9 +2,11 @@
 // (or FP32 param) + store of the low-precision param, in one pass over each element.
 //
 // One launch covers a param group's tensors on one device (up to kMaxTensors, any sizes; longer lists
-// are split by core/multi_tensor_plan.h), followed by one small launch that increments the step counters
-// unless found_inf is set. The update reads the step count at its start and uses step + 1, so it must
-// not race with the increment: hence the second launch, which runs after every block of the first.
+// are split by core/multi_tensor_plan.h). The update reads the step count at its start and uses
+// step + 1, so the increment must wait for every block: with a counter lent by the caller (OptimArgs::
+// counter, zeroed once and left zeroed) the last block of each launch increments the steps of the
+// tensors that end in it, so a step is one launch per group; without one, a second small launch after
+// the updates increments them. Either way nothing is incremented when found_inf is set.
 // Nothing syncs with the host: lr, inv_scale, the clip coefficient, found_inf and the steps are read
 // on the device, so step() can be captured in a CUDA graph.
 #include <cstdint>
@@ -35,6 +37,7 @@ struct OptimLaunch {
   int64_t numel[kMaxTensors];
   WorkIndex<kMaxTensors> work;
   uint8_t dtype[kMaxTensors];
+  uint8_t finishes[kMaxTensors];  // this launch holds the tensor's last chunk: its step is incremented here
 };
 
 struct OptimConsts {
@@ -48,6 +51,7 @@ struct OptimConsts {
   const float* clip_sumsq;
   float max_norm;
   const float* found_inf;
+  unsigned int* counter;
 };
 static_assert(kChunk % kVec == 0, "chunks must keep vector alignment");
 static_assert(sizeof(OptimLaunch) + sizeof(OptimConsts) <= 32764, "launch arguments exceed 32 KB");
@@ -141,8 +145,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 }
 
 template <OptimKind K>
-__global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constant__ OptimLaunch a, const OptimConsts c) {
-  if (c.found_inf && *c.found_inf != 0.f) return;  // skipped step: nothing is written
+__device__ __forceinline__ void optim_block(const OptimLaunch& a, const OptimConsts& c) {
   const WorkItem item = a.work.find(blockIdx.x);
   const int slot = item.slot;
   const int64_t begin = item.chunk * kChunk;
@@ -168,6 +171,27 @@ __global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constan
   }
 }
 
+template <OptimKind K>
+__global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constant__ OptimLaunch a, const OptimConsts c) {
+  if (c.found_inf && *c.found_inf != 0.f) return;  // skipped step: nothing is written, steps included
+  optim_block<K>(a, c);
+  if (!c.counter) return;  // the steps are incremented by a second launch
+  // Every thread of the block has read its step (at the start of optim_block); the last block to get
+  // here increments the steps of the tensors that end in this launch, and zeroes the counter again.
+  __shared__ bool is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(c.counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int s = threadIdx.x; s < a.work.num_slots; s += kThreads)
+    if (a.finishes[s] && a.step[s]) *a.step[s] += 1.f;
+  if (threadIdx.x == 0) *c.counter = 0u;
+}
+
 __global__ void step_increment_kernel(const __grid_constant__ StepLaunch s, const float* found_inf) {
   if (found_inf && *found_inf != 0.f) return;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < s.n; i += gridDim.x * blockDim.x) *s.step[i] += 1.f;
@@ -181,7 +205,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
   const OptimConsts consts{a.adam,      a.sgd,      a.lr,         a.lr_ptr,   a.inv_scale, a.grad_scale,
-                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf};
+                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf, a.counter};
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {
@@ -196,6 +220,11 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
       args.step[s] = t.step;
       args.numel[s] = t.numel;
       args.dtype[s] = static_cast<uint8_t>(t.dtype);
+      args.finishes[s] = 0;
+    }
+    for (const PlanItem& it : launch.items) {  // the launch holding a tensor's last chunk finishes it
+      const int64_t n = args.numel[it.slot];
+      if (it.chunk == (n + kChunk - 1) / kChunk - 1) args.finishes[it.slot] = 1;
     }
     const int items = args.work.fill(launch);
     if (a.kind == OptimKind::kAdam) optim_kernel<OptimKind::kAdam><<<items, kThreads, 0, stream>>>(args, consts);
@@ -203,6 +232,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
     cuda_check(cudaGetLastError(), "launching the optimizer kernel");
   }
 
+  if (a.counter) return;  // the update launches' last blocks incremented the steps
   // After every update block has read its step: increment the counters (unless the step was skipped).
   StepLaunch steps;
   steps.n = 0;

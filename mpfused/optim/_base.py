@@ -142,11 +142,20 @@ class FusedOptimizer(Optimizer):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
                     lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
-                self._fused_step(group, ps, grads, states, lr, inv, clip, found)
+                self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device))
         return loss
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf) -> None:
-        """unscale: {} or {"inv_scale": t} or {"grad_scale": t}; clip: None or (sum of squares, max_norm)."""
+    def _counter(self, device: torch.device) -> torch.Tensor:
+        """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
+        block of the update increments the step counters, so a step is one launch per group."""
+        counters = self.__dict__.setdefault("_mpf_counters", {})
+        if device not in counters:
+            counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return counters[device]
+
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
+        """unscale: {} or {"inv_scale": t} or {"grad_scale": t}; clip: None or (sum of squares, max_norm);
+        counter: see _counter()."""
         raise NotImplementedError
 
     # ---- state dict ---------------------------------------------------------------------------------

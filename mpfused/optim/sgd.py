@@ -45,7 +45,7 @@ class FusedSGD(FusedOptimizer):
                 # A buffer loaded from torch.optim.SGD has been written: the next step is not the first.
                 state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf) -> None:
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
         momentum = group["momentum"] != 0
         _ops.sgd_step_(
             params, grads,
@@ -55,5 +55,5 @@ class FusedSGD(FusedOptimizer):
             lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
             nesterov=group["nesterov"], maximize=group["maximize"],
             clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
-            found_inf=found_inf, **unscale,
+            found_inf=found_inf, counter=counter, **unscale,
         )

@@ -41,7 +41,7 @@ float run(std::vector<Buffer>& bufs, const float* inv, bool unscale, float* sums
   std::vector<TensorRef> refs;
   for (auto& b : bufs) refs.push_back(b.ref());
   float found = 0.f;
-  OverflowArgs args{refs.data(), static_cast<int64_t>(refs.size()), &found, inv, unscale, sumsq};
+  OverflowArgs args{refs.data(), static_cast<int64_t>(refs.size()), &found, inv, unscale, sumsq, false, nullptr, nullptr};
   overflow_check_cpu(args, threads);
   return found;
 }
@@ -93,5 +93,25 @@ int main() {
   run(bufs, nullptr, false, &s1, 1);
   run(bufs, nullptr, false, &s4, 4);
   CHECK(s1 == s4, "sum depends on threads: %.9g vs %.9g", s1, s4);
+
+  // Overwrite mode: stale found_inf and sumsq are replaced by this call's result, and the norm is
+  // sqrt(sumsq); an empty list yields zeros.
+  {
+    std::vector<TensorRef> refs;
+    for (auto& b : bufs) refs.push_back(b.ref());
+    float found = 1.f, sumsq = 123.f, norm = -1.f;
+    OverflowArgs args{refs.data(), static_cast<int64_t>(refs.size()), &found, nullptr, false, &sumsq, true, &norm, nullptr};
+    overflow_check_cpu(args, 2);
+    CHECK(found == 0.f, "overwrite: stale found_inf kept (%g)", found);
+    CHECK(sumsq == s1, "overwrite: sumsq %.9g, expected %.9g", sumsq, s1);
+    CHECK(norm == std::sqrt(s1), "overwrite: norm %.9g, expected %.9g", norm, std::sqrt(s1));
+    bufs[0].set(17, nan);
+    overflow_check_cpu(args, 2);
+    CHECK(found == 1.f, "overwrite: NaN missed");
+    found = 1.f, sumsq = 5.f, norm = 5.f;
+    OverflowArgs empty{refs.data(), 0, &found, nullptr, false, &sumsq, true, &norm, nullptr};
+    overflow_check_cpu(empty, 2);
+    CHECK(found == 0.f && sumsq == 0.f && norm == 0.f, "overwrite of an empty list: %g %g %g", found, sumsq, norm);
+  }
   return native_test::finish("test_cpu_overflow");
 }

@@ -1,0 +1,289 @@
+"""Benchmark of the FP16/BF16 GEMM with FP32 accumulation, ``mpfused.gemm``, and of ``mpfused.nn.FusedLinear``.
+
+Sections (every method of a problem is timed round-robin with the others, in the same run):
+
+=============== ===================================== =======================================================
+section         mpfused                               anchors (same run, same inputs)
+=============== ===================================== =======================================================
+square          ``mpfused.gemm(a, b)``, FP16 and      ``torch.matmul(a, b)`` on the same FP16/BF16 inputs
+                BF16, output in the input dtype       (cuBLAS on CUDA); on the CPU also ``torch.matmul`` on
+                                                      the FP32 copies of the inputs (torch's FP32 GEMM)
+transformer     as above, (M, N, K) = (8192, 4096,    ``torch.matmul`` (cuBLAS); CUDA only
+                4096) and (8192, 11008, 4096)
+linear+gelu     ``mpfused.gemm(x, w.t(), bias=b,      torch's unfused pair ``F.gelu(F.linear(x, w, b),
+                activation="gelu")`` (the fused       approximate="tanh")`` in the same dtype; on the CPU
+                epilogue), and ``FusedLinear(...,     also the pair in FP32
+                activation="gelu")`` forward
+=============== ===================================== =======================================================
+
+torch's FP16 matmul on the CPU takes seconds (1024^3) to minutes (2048^3) a call: from 1024^3 up it is
+timed once, without warm-up, after the other methods (its n column shows 1); a default CPU run takes
+about 4 minutes, most of it in that one call.
+
+Sizes: square 256 to 2048 on the CPU, 1024 to 8192 on CUDA (``--quick``: the two smallest); linear+gelu
+on the CPU a (1024 tokens, 1024 in, 1024 out) layer, on CUDA outputs 4096x4096 with K = 256, 512, 1024
+and 8192x8192 with K = 1024. Throughput is 2 M N K / median time (GFLOP/s on the CPU, TFLOPS on CUDA).
+All timed calls are forward only, under ``torch.no_grad()``.
+
+On the CPU our product is ATen's FP32 GEMM of the exactly widened inputs (the issue allows it: the CPU
+is not the product), plus the widening and our epilogue; torch's own FP16 GEMM on a CPU without native
+FP16 arithmetic is a slow fallback (about 0.4 to 2.4 GFLOP/s), its BF16 GEMM may use oneDNN's native
+BF16 kernels where the CPU has them. Before timing, the run checks that our result is exact on
+small-integer inputs of each dtype (so a broken build cannot post numbers).
+
+The project's targets, marked PASS/FAIL from the numbers measured in the run:
+(a) CPU: at 2048^3, ours is >= 20x torch's FP16 matmul (FP16 inputs);
+(b) CPU: at 2048^3, ours is >= 0.7x torch's FP32 matmul (FP16 and BF16 inputs);
+(c) CUDA (H100): at 4096^3 FP16, ours reaches >= 50% of cuBLAS's throughput;
+(d) CUDA: fused bias+GELU is at least as fast as torch's unfused linear + gelu for outputs of 4096x4096
+    and up with K <= 1024 (every such shape measured, FP16 and BF16).
+A target for the other device is shown as INFO, one whose size was not measured (``--quick``) as N/A.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mpfused  # noqa: E402
+from harness import (  # noqa: E402
+    cpu_busy_fraction,
+    json_path,
+    machine_info,
+    make_parser,
+    measure_roofs,
+    parse_args,
+    print_header,
+    print_table,
+    print_text,
+    time_fn,
+    time_interleaved,
+    warn_if_busy,
+    write_json,
+)
+from mpfused.nn import FusedLinear  # noqa: E402
+
+NAME = "gemm"
+SEED = 0
+DTYPES = {"FP16": torch.float16, "BF16": torch.bfloat16}
+SQUARE = {"cpu": [256, 512, 1024, 2048], "cuda": [1024, 2048, 4096, 8192]}
+TRANSFORMER = [(8192, 4096, 4096), (8192, 11008, 4096)]  # (M, N, K), CUDA only
+LINEAR_GELU = {"cpu": [(1024, 1024, 1024)], "cuda": [(4096, 4096, 256), (4096, 4096, 512), (4096, 4096, 1024),
+                                                      (8192, 8192, 1024)]}  # (tokens M, out N, in K)
+
+OURS = "mpfused.gemm"
+OURS_FUSED = "mpfused.gemm bias+gelu"
+OURS_LINEAR = "FusedLinear(gelu) forward"
+TORCH_LOWP = "torch.matmul (same dtype)"
+TORCH_FP32 = "torch.matmul FP32"
+TORCH_PAIR = "F.linear + F.gelu (same dtype)"
+TORCH_PAIR_FP32 = "F.linear + F.gelu FP32"
+
+TARGET_CPU_VS_FP16 = 20.0  # (a)
+TARGET_CPU_VS_FP32 = 0.7  # (b)
+TARGET_CPU_SIZE = 2048
+TARGET_CUDA_VS_CUBLAS = 0.5  # (c)
+TARGET_CUDA_SIZE = 4096
+TARGET_CUDA_FUSED = 1.0  # (d)
+
+
+def check_exact(device: torch.device) -> None:
+    """Small integers: every product and sum is exact, so ours must equal the float64 product bit for bit."""
+    gen = torch.Generator().manual_seed(SEED)
+    for dtype in DTYPES.values():
+        a = torch.randint(-3, 4, (67, 129), generator=gen).to(dtype).to(device)
+        b = torch.randint(-3, 4, (45, 129), generator=gen).to(dtype).to(device).t()
+        want = (a.double().cpu() @ b.double().cpu()).to(dtype)
+        got = mpfused.gemm(a, b).cpu()
+        if not torch.equal(got, want):
+            raise SystemExit(f"agreement check failed: mpfused.gemm differs from the exact product ({dtype})")
+
+
+def randn(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def measure(section: str, shape: tuple, dtype_name: str, methods: list[tuple[str, Callable[[], object], bool]],
+            args, device: torch.device, single: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Times the methods round-robin; returns one record per method. methods: (name, fn, is_anchor). The
+    methods named in ``single`` take seconds to minutes a call: each is timed once, without warm-up,
+    after the others."""
+    m, n, k = shape
+    flop = 2.0 * m * n * k
+    with torch.no_grad():
+        fast = [fn for name, fn, _ in methods if name not in single]
+        timed = iter(time_interleaved(fast, device, warmup=args.warmup, repeats=args.repeats,
+                                      max_seconds=args.max_seconds))
+        timings = [time_fn(fn, device, warmup=0, repeats=1) if name in single else next(timed)
+                   for name, fn, _ in methods]
+    anchor_time = {name: t.median for (name, _, anchor), t in zip(methods, timings) if anchor}
+    records = []
+    for (name, _, anchor), t in zip(methods, timings):
+        records.append({
+            "section": section, "shape_mnk": list(shape), "dtype": dtype_name, "method": name, "anchor": anchor,
+            "timing": t.to_dict(), "flop": flop, "gflops": flop / t.median / 1e9,
+            "speedup_vs": {a: at / t.median for a, at in anchor_time.items() if a != name},
+        })
+    return records
+
+
+def gemm_methods(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> list:
+    methods = [(OURS, lambda: mpfused.gemm(a, b), False), (TORCH_LOWP, lambda: torch.matmul(a, b), True)]
+    if device.type == "cpu":
+        a32, b32 = a.float(), b.float()
+        methods.append((TORCH_FP32, lambda: torch.matmul(a32, b32), True))
+    return methods
+
+
+def linear_gelu_methods(shape: tuple, dtype: torch.dtype, device: torch.device, gen) -> list:
+    m, n, k = shape
+    x = randn((m, k), dtype, device, gen)
+    layer = FusedLinear(k, n, activation="gelu", device=device, dtype=dtype)
+    w, bias = layer.weight.detach(), layer.bias.detach()
+    methods = [
+        (OURS_FUSED, lambda: mpfused.gemm(x, w.t(), bias=bias, activation="gelu"), False),
+        (OURS_LINEAR, lambda: layer(x), False),
+        (TORCH_PAIR, lambda: F.gelu(F.linear(x, w, bias), approximate="tanh"), True),
+    ]
+    if device.type == "cpu":
+        x32, w32, b32 = x.float(), w.float(), bias.float()
+        methods.append((TORCH_PAIR_FP32, lambda: F.gelu(F.linear(x32, w32, b32), approximate="tanh"), True))
+    return methods
+
+
+def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(SEED)
+    on_cuda = device.type == "cuda"
+    squares = SQUARE[device.type][:2] if args.quick else SQUARE[device.type]
+    records: list[dict[str, Any]] = []
+    problems = [("square", (s, s, s)) for s in squares]
+    if on_cuda and not args.quick:
+        problems += [("transformer", shape) for shape in TRANSFORMER]
+    for section, (m, n, k) in problems:
+        for dtype_name, dtype in DTYPES.items():
+            a, b = randn((m, k), dtype, device, gen), randn((k, n), dtype, device, gen)
+            print_text(f"[{section}] {m}x{n}x{k} {dtype_name} ...")
+            # torch's FP16 GEMM on the CPU: ~3.5 s a call at 1024^3 here, ~100 s at 2048^3: timed once.
+            single = (TORCH_LOWP,) if not on_cuda and dtype == torch.float16 and m * n * k >= 1024**3 else ()
+            records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device, single)
+            del a, b
+            if on_cuda:
+                torch.cuda.empty_cache()
+    shapes = LINEAR_GELU[device.type][:1] if args.quick else LINEAR_GELU[device.type]
+    for shape in shapes:
+        for dtype_name, dtype in DTYPES.items():
+            print_text(f"[linear+gelu] {shape[0]} tokens x {shape[2]} in -> {shape[1]} out {dtype_name} ...")
+            records += measure("linear+gelu", shape, dtype_name, linear_gelu_methods(shape, dtype, device, gen),
+                               args, device)
+            if on_cuda:
+                torch.cuda.empty_cache()
+    return records
+
+
+def print_results(records: list[dict[str, Any]], device: torch.device) -> None:
+    on_cuda = device.type == "cuda"
+    unit, scale = ("TFLOPS", 1e3) if on_cuda else ("GFLOP/s", 1.0)
+    for section in dict.fromkeys(r["section"] for r in records):
+        of_section = [r for r in records if r["section"] == section]
+        anchors = list(dict.fromkeys(r["method"] for r in of_section if r["anchor"]))
+        rows = []
+        for r in of_section:
+            t = r["timing"]
+            rows.append(["x".join(map(str, r["shape_mnk"])), r["dtype"], r["method"], f"{t['median_s'] * 1e3:.2f}",
+                         f"{t['iqr_s'] * 1e3:.2f}", str(t["repeats"]), f"{r['gflops'] / scale:.2f}"]
+                        + [f"{r['speedup_vs'][a]:.2f}x" if a in r["speedup_vs"] else "" for a in anchors])
+        columns = ["M x N x K", "dtype", "method", "median ms", "IQR ms", "n", unit] + [f"vs {a}" for a in anchors]
+        print_table(f"{section} on {device.type}: median of n timed calls", columns, rows,
+                    [False, False, False, True, True, True, True] + [True] * len(anchors))
+
+
+def find(records, section, shape, dtype_name, method) -> Optional[dict]:
+    return next((r for r in records if r["section"] == section and tuple(r["shape_mnk"]) == tuple(shape)
+                 and r["dtype"] == dtype_name and r["method"] == method), None)
+
+
+def evaluate_targets(records: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
+    on_cuda = device.type == "cuda"
+    targets: list[dict[str, Any]] = []
+
+    def add(target, where, value, threshold, ok, applies):
+        if not applies:
+            verdict, measured = "INFO", "other device"
+        elif value is None:
+            verdict, measured = "N/A", "not measured in this run"
+        else:
+            verdict, measured = "PASS" if ok else "FAIL", f"{value:.2f}x"
+        targets.append({"target": target, "where": where, "measured": measured, "threshold": threshold,
+                        "verdict": verdict, "value": value})
+
+    def ratio(section, shape, dtype_name, ours, anchor):
+        rec = find(records, section, shape, dtype_name, ours)
+        return None if rec is None else rec["speedup_vs"].get(anchor)
+
+    cpu_shape = (TARGET_CPU_SIZE,) * 3
+    x = ratio("square", cpu_shape, "FP16", OURS, TORCH_LOWP) if not on_cuda else None
+    add("(a) ours vs torch's FP16 matmul (CPU)", "2048^3 FP16", x, f">= {TARGET_CPU_VS_FP16:.0f}x",
+        x is not None and x >= TARGET_CPU_VS_FP16, not on_cuda)
+    for dtype_name in DTYPES:
+        x = ratio("square", cpu_shape, dtype_name, OURS, TORCH_FP32) if not on_cuda else None
+        add("(b) ours vs torch's FP32 matmul (CPU)", f"2048^3 {dtype_name}", x, f">= {TARGET_CPU_VS_FP32:.1f}x",
+            x is not None and x >= TARGET_CPU_VS_FP32, not on_cuda)
+    cuda_shape = (TARGET_CUDA_SIZE,) * 3
+    x = ratio("square", cuda_shape, "FP16", OURS, TORCH_LOWP) if on_cuda else None
+    add("(c) ours vs cuBLAS (torch.matmul), throughput ratio (CUDA)", "4096^3 FP16", x,
+        f">= {TARGET_CUDA_VS_CUBLAS:.2f}x", x is not None and x >= TARGET_CUDA_VS_CUBLAS, on_cuda)
+    for m, n, k in LINEAR_GELU["cuda"]:
+        for dtype_name in DTYPES:
+            x = ratio("linear+gelu", (m, n, k), dtype_name, OURS_FUSED, TORCH_PAIR) if on_cuda else None
+            add("(d) fused bias+GELU vs torch's linear + gelu (CUDA)", f"{m}x{n}, K={k} {dtype_name}", x,
+                f">= {TARGET_CUDA_FUSED:.1f}x", x is not None and x >= TARGET_CUDA_FUSED, on_cuda)
+    return targets
+
+
+def print_targets(targets: list[dict[str, Any]]) -> None:
+    rows = [[t["target"], t["where"], t["measured"], t["threshold"], t["verdict"]] for t in targets]
+    print_table("Project targets", ["target", "where", "measured", "target value", "verdict"], rows,
+                [False, False, True, False, False])
+    decided = [t for t in targets if t["verdict"] in ("PASS", "FAIL")]
+    print_text(f"targets: {sum(t['verdict'] == 'PASS' for t in decided)}/{len(decided)} PASS (INFO: a target for "
+               "the other device; N/A: a size this run did not measure)")
+
+
+def main() -> None:
+    parser = make_parser(__doc__.splitlines()[0])
+    args = parse_args(parser, repeats={"cpu": 5, "cuda": 30}, warmup={"cpu": 1, "cuda": 5})
+    device: torch.device = args.device
+    machine = machine_info(device)
+    roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=5)
+    print_header(NAME, machine, roofs)
+    print_text(f"{args.warmup} warm-up + up to {args.repeats} timed calls per method, at most ~{args.max_seconds:g} s "
+               "each (at least 3 calls), round-robin within each problem")
+    check_exact(device)
+    print_text("agreement check: mpfused.gemm equals the exact product on small-integer FP16 and BF16 inputs")
+    records = run_sections(args, device)
+    machine["cpu_busy_after_run"] = cpu_busy_fraction()
+    warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
+    print_results(records, device)
+    targets = evaluate_targets(records, device)
+    print_targets(targets)
+
+    out = json_path(args, NAME)
+    if out is not None:
+        config = {"seed": SEED, "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
+                  "max_seconds": args.max_seconds, "square": SQUARE[device.type],
+                  "transformer": TRANSFORMER if device.type == "cuda" else [],
+                  "linear_gelu_mnk": LINEAR_GELU[device.type], "torch_num_threads": torch.get_num_threads()}
+        write_json(out, machine, roofs, records, config=config, targets=targets)
+        print_text(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""``FusedLinear``: a drop-in ``nn.Linear`` whose FP16/BF16 forward and backward run on mpfused's GEMM, with
+the bias and the activation fused into the GEMM's epilogue; ``convert_linear`` swaps it in."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+from torch.nn import init
+
+from . import _ops
+
+__all__ = ["FusedLinear", "convert_linear"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
+_GELU_APPROXIMATE = {"gelu": "tanh", "gelu_erf": "none"}
+
+
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    """The activation as torch computes it (the FP32 fallback)."""
+    if activation == "relu":
+        return F.relu(y)
+    if activation in _GELU_APPROXIMATE:
+        return F.gelu(y, approximate=_GELU_APPROXIMATE[activation])
+    return y
+
+
+class _FusedLinearFunction(torch.autograd.Function):
+    """``act(x @ weight.T + bias)`` for 2-D ``x``, with ``x``, ``weight`` and ``bias`` of one FP16/BF16 dtype.
+
+    Forward: one GEMM with the bias and the activation in its epilogue; the value before a GELU is kept
+    for the backward (ReLU's backward needs only the output). Backward: the activation's backward (torch's
+    own ``gelu_backward`` / ``threshold_backward``), then ``grad_input = grad_pre @ weight`` and
+    ``grad_weight = grad_pre.T @ x`` on the same GEMM (``grad_pre.T`` is a transposed view, read without a
+    copy), and ``grad_bias`` as an FP32 sum over the rows. Only the gradients autograd asks for are
+    computed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        keep_pre = activation in _GELU_APPROXIMATE
+        out, pre = _ops.gemm(x, weight.t(), bias, activation, return_pre_activation=True)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None,
+                              pre if keep_pre else out if activation == "relu" else None)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight, saved = ctx.saved_tensors
+        act = ctx.activation
+        if act == "relu":
+            grad = torch.ops.aten.threshold_backward(grad, saved, 0)  # saved: the output, > 0 where pre > 0
+        elif act in _GELU_APPROXIMATE:
+            grad = torch.ops.aten.gelu_backward(grad, saved, approximate=_GELU_APPROXIMATE[act])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _ops.gemm(grad, weight)  # (rows, out) @ (out, in)
+        if ctx.needs_input_grad[1]:
+            grad_w = _ops.gemm(grad.t(), x)  # (out, rows) @ (rows, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class FusedLinear(nn.Module):
+    """``activation(x @ weight.T + bias)``: ``nn.Linear`` followed by an optional activation, with the bias and
+    the activation fused into the epilogue of mpfused's FP16/BF16 GEMM.
+
+    Parameters, their shapes, initialisation (``reset_parameters``, the same as ``nn.Linear``'s: the same
+    seed gives the same values), ``state_dict`` keys and input/output shapes are those of ``nn.Linear``:
+    ``weight`` ``(out_features, in_features)``, ``bias`` ``(out_features,)`` or None; the input is
+    ``(*, in_features)``, flattened to 2-D without a copy where its strides allow, and the output
+    ``(*, out_features)``.
+
+    ``activation``: None, ``"relu"``, ``"gelu"`` (the tanh approximation, like
+    ``F.gelu(y, approximate="tanh")``) or ``"gelu_erf"`` (the exact ``F.gelu(y)``).
+
+    Which path runs:
+
+    - Under ``torch.autocast`` for the input's device type with an FP16/BF16 autocast dtype: the input,
+      weight and bias are cast to that dtype (as autocast casts them for ``F.linear``; the gradients flow
+      back through the casts to FP32 weights), and the fused GEMM runs with autocast disabled inside.
+    - Input, weight and bias all FP16, or all BF16, on a CPU or CUDA device: the fused GEMM (forward, and
+      backward through a ``torch.autograd.Function``: the activation's backward, then ``grad_input`` and
+      ``grad_weight`` on the same GEMM, ``grad_bias`` as an FP32 sum). Outputs and gradients are in that
+      dtype, as with ``nn.Linear`` on FP16/BF16 weights; every product is accumulated in FP32.
+    - Anything else, FP32 in particular: ``F.linear`` followed by the activation, exactly what
+      ``nn.Linear`` + the activation compute. mpfused's GEMM is a low-precision GEMM; FP32 (and FP64)
+      layers keep torch's FP32 GEMM.
+
+    Double backward (``create_graph=True``) is not supported on the fused path and raises.
+    """
+
+    __constants__ = ["in_features", "out_features", "activation"]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: Optional[str] = None,
+                 device=None, dtype=None) -> None:
+        if activation is not None and not (isinstance(activation, str) and activation in _ACTIVATIONS):
+            raise ValueError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got "
+                             f"{activation!r}")
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation: weight ``U(-1/sqrt(in), 1/sqrt(in))`` through torch's
+        ``kaiming_uniform_(a=sqrt(5))``, bias ``U(-1/sqrt(in), 1/sqrt(in))``, drawn in the same order."""
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+            init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation={self.activation!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        fusable_device = device_type in ("cpu", "cuda")
+        if fusable_device and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
+                with torch.autocast(device_type, enabled=False):
+                    return self._fused(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        if (fusable_device and x.dtype in _LOW_PRECISION and weight.dtype == x.dtype
+                and (bias is None or bias.dtype == x.dtype)):
+            return self._fused(x, weight, bias)
+        return _activate(F.linear(x, weight, bias), self.activation)
+
+    def _fused(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise RuntimeError(f"{type(self).__name__}: the input's last dim must be in_features={self.in_features}, "
+                               f"got an input of shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(math.prod(lead), self.in_features)
+        out = _FusedLinearFunction.apply(x2d, weight, bias, self.activation)
+        return out.reshape(*lead, self.out_features)
+
+
+def _fused_from(linear: nn.Linear) -> FusedLinear:
+    # Built on the meta device (nothing allocated, nothing drawn), then given linear's own Parameters.
+    fused = FusedLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                        dtype=linear.weight.dtype)
+    fused.weight = linear.weight
+    if linear.bias is not None:
+        fused.bias = linear.bias
+    fused.train(linear.training)
+    return fused
+
+
+def convert_linear(model: nn.Module) -> nn.Module:
+    """Replaces every ``nn.Linear`` in ``model`` (recursively, in place) with a :class:`FusedLinear` (no
+    activation) and returns ``model``; when ``model`` itself is an ``nn.Linear``, returns its replacement.
+
+    The ``FusedLinear`` holds the very same ``Parameter`` objects as the ``nn.Linear`` it replaces (not
+    copies): device, dtype, values and ``requires_grad`` are unchanged, an optimizer created before the
+    conversion keeps updating the model's weights, its state stays attached, and tied weights stay
+    tied. A ``nn.Linear`` that appears several times in the model is replaced by one ``FusedLinear``.
+
+    Only modules whose type is exactly ``nn.Linear`` are replaced: subclasses (``LazyLinear``,
+    parametrized or quantized linears, ``MultiheadAttention``'s ``out_proj``) may rely on their own
+    ``forward`` or type and are left alone. Hooks registered on a replaced module are not carried over.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model) is nn.Linear:
+        return _fused_from(model)
+    replaced: dict[int, FusedLinear] = {}
+
+    def convert(module: nn.Module) -> None:
+        # Every slot, not named_children(): that lists a module used in two places only once.
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            if type(child) is nn.Linear:
+                if id(child) not in replaced:
+                    replaced[id(child)] = _fused_from(child)
+                setattr(module, name, replaced[id(child)])
+            else:
+                convert(child)
+
+    convert(model)
+    return model

@@ -1,0 +1,279 @@
+"""mpfused.nn.FusedLinear and convert_linear against torch.nn.Linear + the activation: forward and the three
+gradients (float64 references of the same low-precision values), autocast, the FP32 fallback, shapes,
+and parameter sharing."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mpfused
+from mpfused import _ops
+from mpfused.nn import FusedLinear, convert_linear
+from tolerances import LINEAR_REL_TOL, LINEAR_VS_TORCH_FACTOR
+
+LOW = [torch.float16, torch.bfloat16]
+ACTIVATIONS = [None, "relu", "gelu", "gelu_erf"]
+ROUNDING_UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def activate(y, activation):
+    if activation == "relu":
+        return F.relu(y)
+    if activation == "gelu":
+        return F.gelu(y, approximate="tanh")
+    if activation == "gelu_erf":
+        return F.gelu(y)
+    return y
+
+
+def rel_err(actual, ref):
+    return ((actual.double().cpu() - ref.cpu()).abs().max() / ref.abs().max().cpu()).item()
+
+
+def run(forward, x, params, grad_out):
+    """Output and the gradients of (output * grad_out).sum() with respect to x and params."""
+    y = forward(x)
+    grads = torch.autograd.grad((y.float() * grad_out).sum(), [x] + params)
+    return [y.detach()] + list(grads)
+
+
+def check_against_float64(device, dtype, activation, x_shape, autocast):
+    torch.manual_seed(0)
+    in_f, out_f = x_shape[-1], 24
+    fused = FusedLinear(in_f, out_f, activation=activation, device=device)
+    if not autocast:
+        fused.to(dtype)
+    ref_layer = nn.Linear(in_f, out_f, device=device, dtype=fused.weight.dtype)
+    ref_layer.load_state_dict(fused.state_dict())
+    x = torch.randn(x_shape, device=device, dtype=fused.weight.dtype, requires_grad=True)
+    grad_out = torch.randn(x_shape[:-1] + (out_f,), device=device).to(dtype).float()  # exact in dtype
+    params = [fused.weight, fused.bias]
+    ctx = (lambda: torch.autocast(device, dtype=dtype)) if autocast else torch.enable_grad
+    with ctx():
+        ours = run(fused, x, params, grad_out)
+        theirs = run(lambda t: activate(ref_layer(t), activation), x, [ref_layer.weight, ref_layer.bias], grad_out)
+    # float64 autograd on the same low-precision values
+    x64, w64, b64 = (t.detach().to(dtype).double().requires_grad_() for t in (x, fused.weight, fused.bias))
+    ref = run(lambda t: activate(F.linear(t, w64, b64), activation), x64, [w64, b64], grad_out.double())
+    assert ours[0].dtype == dtype and ours[0].shape == x_shape[:-1] + (out_f,)
+    for name, o, t, r in zip(["output", "grad_input", "grad_weight", "grad_bias"], ours, theirs, ref):
+        assert o.shape == r.shape and o.dtype == t.dtype, name
+        e_ours, e_torch = rel_err(o, r), rel_err(t, r)
+        assert e_ours <= LINEAR_REL_TOL[dtype], (name, e_ours)
+        assert e_ours <= LINEAR_VS_TORCH_FACTOR * e_torch + ROUNDING_UNIT[dtype], (name, e_ours, e_torch)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_forward_and_gradients_under_autocast(device, dtype, activation):
+    check_against_float64(device, dtype, activation, (3, 5, 40), autocast=True)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_forward_and_gradients_with_low_precision_weights(device, dtype, activation):
+    check_against_float64(device, dtype, activation, (17, 33), autocast=False)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_backward_is_torchs(device, dtype, activation):
+    """A 1x1 layer with weight 1 and bias 0 is the activation itself: the input's gradient must be torch's
+    activation backward bit for bit (a GELU derivative of the wrong form differs by ~1e-3, below the
+    tolerances of the full-layer tests), and the output within one rounding of torch's."""
+    layer = FusedLinear(1, 1, activation=activation, device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+        layer.bias.zero_()
+    x = torch.linspace(-4, 4, 801, device=device).to(dtype).unsqueeze(1).requires_grad_()
+    g = torch.randn(801, 1, device=device).to(dtype)
+    y = layer(x)
+    (grad,) = torch.autograd.grad(y, x, g)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = activate(x_ref, activation)
+    (grad_ref,) = torch.autograd.grad(y_ref, x_ref, g)
+    assert torch.equal(grad, grad_ref)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 * ROUNDING_UNIT[dtype], atol=1e-5)
+
+
+def test_autocast_grads_reach_fp32_weights(device):
+    layer = FusedLinear(16, 8, activation="gelu", device=device)
+    x = torch.randn(4, 16, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+    assert layer.bias.grad.dtype == torch.float32 and layer.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fp32_falls_back_to_torch_exactly(device, activation):
+    torch.manual_seed(1)
+    fused = FusedLinear(12, 7, activation=activation, device=device)
+    ref = nn.Linear(12, 7, device=device)
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 3, 12, device=device, requires_grad=True)
+    g = torch.randn(2, 3, 7, device=device)
+    ours = run(fused, x, [fused.weight, fused.bias], g)
+    theirs = run(lambda t: activate(ref(t), activation), x, [ref.weight, ref.bias], g)
+    for o, t in zip(ours, theirs):
+        assert torch.equal(o, t)
+
+
+def test_same_init_and_state_dict_as_nn_linear(device):
+    torch.manual_seed(42)
+    ref = nn.Linear(20, 9, device=device)
+    torch.manual_seed(42)
+    fused = FusedLinear(20, 9, activation="relu", device=device)
+    assert torch.equal(ref.weight, fused.weight) and torch.equal(ref.bias, fused.bias)
+    assert list(ref.state_dict()) == list(fused.state_dict())
+    assert fused.weight.abs().max() <= 1 / 20**0.5 and fused.weight.std() > 0.05
+    no_bias = FusedLinear(5, 3, bias=False, dtype=torch.bfloat16, device=device)
+    assert no_bias.bias is None and no_bias.weight.dtype == torch.bfloat16
+    assert repr(fused) == "FusedLinear(in_features=20, out_features=9, bias=True, activation='relu')"
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_shapes_views_and_no_bias(device, dtype):
+    torch.manual_seed(2)
+    layer = FusedLinear(10, 6, bias=False, activation="relu", device=device, dtype=dtype)
+    ref = lambda t: F.relu(F.linear(t.double(), layer.weight.double())).to(dtype)  # noqa: E731
+    base = torch.randn(4, 10, 3, device=device).to(dtype)
+    for x in (base.transpose(1, 2), base[:, :, 0], torch.randn(2, 2, 2, 10, device=device).to(dtype),
+              torch.randn(10, device=device).to(dtype)):
+        y = layer(x)
+        assert y.shape == x.shape[:-1] + (6,)
+        assert rel_err(y, ref(x).double()) <= LINEAR_REL_TOL[dtype]
+    empty = torch.zeros(0, 10, device=device, dtype=dtype, requires_grad=True)
+    y = layer(empty)
+    assert y.shape == (0, 6)
+    y.sum().backward()
+    assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight)) and empty.grad.shape == (0, 10)
+
+
+def test_only_the_needed_gradients_are_computed(device, monkeypatch):
+    layer = FusedLinear(8, 4, device=device, dtype=torch.bfloat16)
+    calls = []
+    real = _ops.gemm
+    monkeypatch.setattr(_ops, "gemm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x = torch.randn(5, 8, device=device, dtype=torch.bfloat16)  # no grad for the input
+    layer(x).sum().backward()
+    assert len(calls) == 2  # forward + grad_weight; no grad_input GEMM
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    calls.clear()
+    layer.weight.requires_grad_(False)
+    layer.bias.requires_grad_(False)
+    x.requires_grad_(True)
+    layer(x).sum().backward()
+    assert len(calls) == 2 and x.grad is not None and x.grad.shape == x.shape  # forward + grad_input
+
+
+def test_double_backward_is_refused(device):
+    layer = FusedLinear(4, 3, activation="gelu", device=device, dtype=torch.float16)
+    x = torch.randn(2, 4, device=device, dtype=torch.float16, requires_grad=True)
+    (g,) = torch.autograd.grad(layer(x).float().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.float().sum().backward()
+
+
+def test_bad_arguments(device):
+    with pytest.raises(ValueError, match="activation must be"):
+        FusedLinear(4, 3, activation="tanh")
+    layer = FusedLinear(4, 3, device=device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="in_features=4"):
+        layer(torch.ones(2, 5, device=device, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):  # dtype mismatch: torch's own error from the F.linear path
+        layer(torch.ones(2, 4, device=device, dtype=torch.float16))
+
+
+# ---- convert_linear ------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.proj = nn.Linear(16, 16, device=device)
+        self.norm = nn.LayerNorm(16, device=device)
+
+    def forward(self, x):
+        return self.norm(x + self.proj(x))
+
+
+class MyLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def small_mlp(device):
+    torch.manual_seed(3)
+    shared = nn.Linear(16, 16, device=device)
+    return nn.Sequential(nn.Linear(12, 16, device=device), nn.ReLU(), Block(device), shared, nn.GELU(), shared,
+                         MyLinear(16, 8, device=device), nn.Linear(8, 4, bias=False, device=device))
+
+
+def test_convert_linear_same_outputs_and_shared_parameters(device):
+    model = small_mlp(device)
+    reference = copy.deepcopy(model)
+    params_before = {name: p for name, p in model.named_parameters()}
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert convert_linear(model) is model
+    assert type(model[0]) is FusedLinear and type(model[2].proj) is FusedLinear and type(model[7]) is FusedLinear
+    assert type(model[3]) is FusedLinear and model[3] is model[5]  # one module used twice: one replacement
+    assert type(model[6]) is MyLinear  # subclasses are left alone
+    assert model[7].bias is None
+    for name, p in model.named_parameters():
+        assert p is params_before[name], name  # the very same Parameter objects
+    assert model[0].weight.requires_grad is False and model[0].bias.requires_grad is True
+
+    x = torch.randn(5, 12, device=device)
+    assert torch.equal(model(x), reference(x))  # FP32: torch's path, bit for bit
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ours, theirs = model(x), reference(x)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.05, atol=0.02)
+
+    # the optimizer made before the conversion still updates the converted model
+    with torch.autocast(device, dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+    before = model[2].proj.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[2].proj.weight, before)
+    assert model[0].weight.grad is None
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_convert_linear_is_exact_on_small_integers(device, dtype):
+    """With small-integer weights and inputs every product and sum is exact: the converted model under
+    autocast gives the same bits as the original one."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(24, 32, device=device), nn.ReLU(), nn.Linear(32, 8, device=device))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape))
+    reference = copy.deepcopy(model)
+    convert_linear(model)
+    x = torch.randint(-2, 3, (6, 24), device=device).float()
+    with torch.autocast(device, dtype=dtype):
+        ours, theirs = model(x), reference(x)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours, theirs) and ours.abs().max() > 0
+
+
+def test_convert_linear_on_a_bare_linear_and_bad_input(device):
+    lin = nn.Linear(3, 2, device=device)
+    fused = convert_linear(lin)
+    assert type(fused) is FusedLinear and fused.weight is lin.weight and fused.bias is lin.bias
+    lin.eval()
+    assert convert_linear(lin).training is False
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        convert_linear("not a model")
+
+
+def test_exports():
+    assert mpfused.nn.FusedLinear is FusedLinear
+    assert mpfused.gemm is mpfused.functional.gemm
+    for name in ("gemm", "functional", "nn"):
+        assert name in mpfused.__all__
