@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-check`: everything that needs a GPU, on a machine whose python already has a CUDA torch
 # (nothing is downloaded). Builds the CUDA extension in place, runs the whole test suite with the CUDA
-# cases enabled, runs compute-sanitizer (memcheck, racecheck) over the CUDA tests of the kernels, and
+# cases enabled, runs compute-sanitizer (memcheck, racecheck) over the CUDA tests of every kernel, and
 # runs the benchmarks, writing their JSON under benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ if command -v "$SANITIZER" >/dev/null; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     "$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes all \
-      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py tests/test_optim.py tests/test_scaler.py
+      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py tests/test_optim.py tests/test_scaler.py tests/test_gemm.py tests/test_nn.py
   done
 else
   echo "gpu-check: compute-sanitizer not found" >&2
