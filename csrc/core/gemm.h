@@ -3,7 +3,8 @@
 // out = act(alpha * (A @ B) + beta * C + bias), all in FP32, rounded once to the output dtype. The
 // accumulator comes from FP32 accumulation of exactly widened FP16/BF16 products (tensor cores on CUDA,
 // an FP32 GEMM on the CPU); from there on both backends run this same code, so an epilogue gives the
-// same bits on both for the same accumulator.
+// same bits on both for the same accumulator, except through expf/erff (GELU), whose CUDA and glibc
+// implementations may differ in the last ulp.
 #pragma once
 
 #include <cmath>

@@ -90,7 +90,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16 bytes, of which the first `bytes` come from src and the rest are zero.
 __device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, int bytes) {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes) : "memory");
 #else
   uint4 v = make_uint4(0, 0, 0, 0);
   if (bytes == 16) {
@@ -108,14 +108,14 @@ __device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, int b
 
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 
@@ -272,8 +272,8 @@ __device__ __forceinline__ void gemm_body(const KernelParams& kp) {
       const uint16_t* sb = sa + ATileT::kElems;
 #pragma unroll
       for (int kk = 0; kk < kGemmBlockK; kk += 16) {
-        // B fragments for the whole warp tile, then one A fragment at a time: 64 accumulator + 16 + 8
-        // fragment registers stay within the 128 that two blocks per SM allow.
+        // B fragments for the whole warp tile, then one A fragment at a time: fewer fragment registers
+        // live next to the 64 accumulator registers than loading every A fragment first.
         FragB<T, kBCol> fb[kFragsN];
 #pragma unroll
         for (int j = 0; j < kFragsN; ++j) {
@@ -386,9 +386,19 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   cuda_check(cudaGetDevice(&device), "gemm: cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
   cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
-  if (args.a.dtype == DType::kBFloat16 && major < 8)
-    throw std::runtime_error("mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
-                             std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.");
+  if (args.a.dtype == DType::kBFloat16) {
+    if (major < 8)
+      throw std::runtime_error("mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
+                               std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.");
+    // The image that runs must have been built for sm_80+ too: on a newer GPU a build that only holds
+    // compute_75 PTX would JIT the sm_75 trap.
+    cudaFuncAttributes attr{};
+    cuda_check(cudaFuncGetAttributes(&attr, gemm_kernel<__nv_bfloat16, false, false, true>), "gemm: kernel query");
+    if (attr.ptxVersion < 80)
+      throw std::runtime_error("mpfused.gemm: this build has no bfloat16 GEMM for this GPU (its kernels were compiled for "
+                               "compute_" + std::to_string(attr.ptxVersion) + "); rebuild with TORCH_CUDA_ARCH_LIST including 8.0 "
+                               "or newer, or use float16 inputs.");
+  }
   const GemmPlan plan = plan_gemm(args.batch, args.m, args.n, args.a, args.b);
   if (plan.blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
   const int64_t out_elems = 16 / dtype_size(args.out_dtype);
