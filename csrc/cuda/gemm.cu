@@ -28,7 +28,7 @@
 #include <type_traits>
 
 #include "common.cuh"
-#include "kernels.h"
+#include "../kernels.h"
 
 namespace mpf {
 namespace {
