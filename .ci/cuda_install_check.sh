@@ -18,7 +18,7 @@ command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || { echo "cuda_install_ch
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis
+"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis rich tqdm matplotlib
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 # Build from a copy of the tree, so that the source tree's in-place CPU build is left alone.
