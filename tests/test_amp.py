@@ -315,9 +315,24 @@ def test_conversion_keeps_hyperparameters_groups_and_state_and_continues_like_to
                 continue
             assert torch.equal(torch.as_tensor(fused.state[p][key]).float(), torch.as_tensor(value).float()), key
 
-    # It continues the trajectory torch would have taken.
-    ours = train_steps(model, fused, 20, seed=50, scaler=scaler)
-    ref = train_steps(reference_model, reference, 20, seed=50)
+    # It continues the trajectory torch would have taken. Both optimizers are fed the reference model's
+    # gradients: this model's forward (batch-8 BatchNorm, InstanceNorm over three equal values) amplifies
+    # a one-ulp weight difference about 100x per step into the gradients, so free-running trajectories
+    # drift apart by more than the optimizer's own rounding on some CPUs (the BLAS rounds differently).
+    assert not scaler.is_enabled()
+    ours, ref = [], []
+    for i in range(20):
+        x, y = batch(device, seed=50 + i)
+        for m, o, losses in ((model, fused, ours), (reference_model, reference, ref)):
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(m(x).float(), y)
+            loss.backward()  # (O0's scaler is disabled: its scale is 1)
+            losses.append(loss.item())
+        for a, b in zip(model.parameters(), reference_model.parameters()):
+            a.grad.copy_(b.grad)
+        scaler.step(fused)
+        scaler.update()
+        reference.step()
     for a, b in zip(model.parameters(), reference_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=OPTIM_FP32_ATOL)
     assert ours == pytest.approx(ref, rel=1e-4)
