@@ -59,8 +59,19 @@ DType storage_dtype(const at::Tensor& t, const std::string& name) {
   return d;
 }
 
+// A tensor whose operations Python intercepts (DTensor, wrapper subclasses, FakeTensor) has no memory of
+// its own that a kernel could address: its data pointer is null or belongs to something else. Raised as
+// a TypeError, before anything is written.
+void check_plain(const at::Tensor& t, const std::string& name) {
+  if (t.key_set().has(c10::DispatchKey::Python) || (t.layout() == at::kStrided && !t.has_storage()))
+    throw pybind11::type_error(name + " is a tensor subclass that overrides __torch_dispatch__ (such as DTensor), "
+                               "or has no storage; mpfused's kernels take plain dense tensors. Pass its local "
+                               "data (for DTensor: .to_local()).");
+}
+
 void check_dense(const at::Tensor& t, const std::string& name) {
   if (!t.defined()) fail(name + " must be a tensor, got None");
+  check_plain(t, name);
   if (t.layout() != at::kStrided) fail(name + " must be a dense (strided) tensor, got a sparse " + describe(t));
 }
 
@@ -211,6 +222,7 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
     if (!p.is_contiguous()) fail("params" + idx + " must be contiguous, got a strided view " + describe(p));
     if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
+    check_plain(g, "grads" + idx);
     if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
     if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
     if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));

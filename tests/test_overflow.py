@@ -303,6 +303,20 @@ def test_a_call_that_fails_writes_nothing(device):
         assert torch.equal(g.isnan(), b.isnan()) and torch.equal(g.nan_to_num(), b.nan_to_num())
 
 
+def test_tensor_subclasses_raise_type_error_before_anything_is_written(device):
+    """A wrapper subclass (DTensor's kind) has no memory the kernel can address: a TypeError, no crash."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    good = torch.full((10,), 4.0, device=device)
+    sub = TwoTensor(torch.randn(4, device=device), torch.randn(4, device=device))
+    found = flag(device)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a tensor subclass"):
+        mpfused.non_finite_check_([good, sub], found, torch.tensor([0.5], device=device), unscale=True)
+    with pytest.raises(TypeError, match=r"found_inf is a tensor subclass"):
+        mpfused.non_finite_check_([good], TwoTensor(found, found.clone()))
+    assert torch.equal(good, torch.full((10,), 4.0, device=device)) and found.item() == 0.0
+
+
 def test_wrong_python_types_are_rejected():
     with pytest.raises(TypeError, match="list or tuple of tensors, got a single tensor"):
         mpfused.non_finite_check_(torch.zeros(3), flag("cpu"))
