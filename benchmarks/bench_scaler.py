@@ -190,6 +190,7 @@ def init_torch_scaler(device: torch.device) -> torch.amp.GradScaler:
 def ours_iteration(lp: list[torch.nn.Parameter], device: torch.device, max_norm: float = MAX_NORM):
     """``(iteration, optimizer, scaler)``: mpfused's iteration on ``lp``; the iteration returns the norm."""
     scaler = mpfused.GradScaler(str(device), init_scale=INIT_SCALE)
+    scaler.scale(torch.ones((), device=device))  # creates the scale on the device, as scaler.scale(loss) does
     opt = FusedAdamW(lp, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
     def iteration() -> torch.Tensor:

@@ -98,6 +98,7 @@ struct LossScaleArgs {
   float* inv_scale;          // nullptr, or one float: set to 1 / scale after the update
   int32_t* growth_tracker;   // one int32
   int32_t* hysteresis_left;  // one int32
+  int64_t* skipped_steps;    // one int64: incremented when found_inf != 0
   const float* found_inf;    // one float: != 0 is an overflow
   LossScaleConfig config;
 };

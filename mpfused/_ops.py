@@ -148,13 +148,18 @@ def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, 
                  clip_sumsq, float(max_norm), found_inf, grad_scale, counter)
 
 
-def loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale=None, *, growth_factor,
-                       backoff_factor, growth_interval, hysteresis, min_scale, max_scale, dynamic) -> None:
-    """The dynamic loss-scale update (csrc/core/loss_scale.h) on the scaler's device tensors, in place;
-    ``inv_scale`` (optional) is refreshed to 1/scale. One tiny launch on CUDA; no host sync."""
-    _C.loss_scale_update_(scale, growth_tracker, hysteresis_left, found_inf, inv_scale, float(growth_factor),
-                          float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale),
-                          float(max_scale), bool(dynamic))
+def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,
+                       growth_factor, backoff_factor, growth_interval, hysteresis, min_scale=None, max_scale=None,
+                       dynamic=True) -> None:
+    """The dynamic loss-scale update (csrc/core/loss_scale.h) on the scaler's device tensors, in place:
+    ``scale`` (float32), ``growth_tracker``, ``hysteresis_left`` (int32), ``skipped_steps`` (int64,
+    incremented when ``found_inf != 0``), each of one element (0-d is fine). ``inv_scale`` (optional) is
+    refreshed to 1/scale. ``min_scale``/``max_scale`` None: no clamp (torch's rule). One tiny launch on
+    CUDA; no host sync."""
+    _C.loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale,
+                          float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
+                          0.0 if min_scale is None else float(min_scale),
+                          float("inf") if max_scale is None else float(max_scale), bool(dynamic))
 
 
 _ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")

@@ -1,45 +1,73 @@
-"""mpfused.GradScaler: dynamic loss scaling that never stops the host, with fused clipping.
+"""mpfused.GradScaler: a torch.amp.GradScaler whose hot path never stops the host, with fused clipping.
 
-A drop-in for torch.amp.GradScaler. With the fused optimizers (mpfused.optim) an iteration is:
-  1. one pass over the gradients that checks for inf/NaN (and, when clip_grad_norm_ was called, sums the
-     squares of the unscaled gradients for the global norm): mpfused.non_finite_check_;
-  2. the fused update, which reads found_inf, 1/scale and the clip coefficient on the device;
-  3. update(): the scale update (csrc/core/loss_scale.h) in one tiny device launch.
-No step of it syncs the host with the device.
+It subclasses torch.amp.GradScaler and keeps its state layout (``_scale`` and ``_growth_tracker`` are
+0-d device tensors created by ``_lazy_init_scale_growth_tracker`` on the first ``scale()``;
+``_per_optimizer_states[id(opt)]`` holds ``{"stage": OptState, "found_inf_per_device": {device: t}}``),
+its private methods (``_unscale_grads_``, ``_check_inf_per_device``, ``_maybe_opt_step``, ...), its
+pickling rules and its errors. What it changes:
 
-With any other optimizer (torch.optim.SGD, Adam, ...) step() unscales the gradients with the same
-multi-tensor kernel and must then read found_inf on the host to decide whether to call
-optimizer.step(): one sync per iteration, as with torch's scaler.
+- the gradient pass is mpfused's multi-tensor kernel (mpfused.non_finite_check_) for every gradient it
+  can take (dense float32/float16/bfloat16 plain tensors, contiguous or a flat view of dense memory such
+  as channels_last); torch's own foreach op takes the rest (float64, sparse values, tensor subclasses);
+- with the fused optimizers (mpfused.optim) an iteration is: one pass over the gradients for found_inf
+  (and, after clip_grad_norm_, the sum of squares and the norm), the fused update, which reads found_inf,
+  1/scale and the clip coefficient on the device, and update(): the scale update (csrc/core/loss_scale.h)
+  in one tiny device launch. No step of it syncs the host with the device;
+- extras: hysteresis, opt-in min/max clamps, static scaling, a device-side count of skipped steps, and a
+  process_group whose ranks skip together and clip by the true global norm.
 
-With a process_group, found_inf is all-reduced with MAX and the sum of squares with SUM, so that every
-rank skips or steps together and clips by the true global norm (sharded params, ZeRO, FSDP).
+With torch's own optimizers (and any optimizer that sets ``_step_supports_amp_scaling``) step() follows
+torch's protocol exactly; a plain optimizer needs found_inf on the host once per iteration, as in torch.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import warnings
 from collections import defaultdict
 from typing import Any, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import _ops
 from .optim._base import FusedOptimizer
 
 __all__ = ["GradScaler"]
 
-
-class _Stage(enum.Enum):
-    READY = 0      # nothing done yet this iteration
-    CHECKED = 1    # found_inf (and the sum of squares) known; gradients still scaled
-    UNSCALED = 2   # gradients unscaled in place
-    STEPPED = 3
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLT_MAX = 3.4028234663852886e38
+_SHARDINGS = ("replicated", "sharded")
+_CUDA_KERNELS = _ops.has_cuda_kernels()
 
 
-def _fresh_state() -> dict:
-    return {"stage": _Stage.READY, "found_inf": None, "sumsq": None, "norm": None, "max_norm": None}
+def _fresh_clip_state() -> dict:
+    """mpfused's per-optimizer extras (a top-level factory so that the scaler pickles): the sum of
+    squares of the unscaled gradients and max_norm recorded by clip_grad_norm_ on the fused path."""
+    return {"sumsq": None, "max_norm": None}
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one block of memory without overlap (contiguous in some dim order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t, or a flat view of its memory, when mpfused's kernel can take it; None when torch's op must."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.dtype not in _KERNEL_DTYPES:
+        return None
+    if t.device.type != "cpu" and not (t.device.type == "cuda" and _CUDA_KERNELS):
+        return None
+    if t.is_contiguous():
+        return t
+    if _is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise, the order is free
+        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    return None
 
 
 def _check_int(name: str, value, lo: int) -> None:
@@ -47,353 +75,464 @@ def _check_int(name: str, value, lo: int) -> None:
         raise ValueError(f"{name} must be an integer in [{lo}, 2**31 - 1], got {value!r}")
 
 
-def _check_float(name: str, value, lo: float, hi: float, lo_open: bool = True, hi_open: bool = False) -> None:
+def _check_scale(name: str, value) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok:
-        bounds = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name} must be a finite number in {bounds}, got {value!r}")
+    if not (ok and 0.0 < value <= _FLT_MAX):
+        raise ValueError(f"{name} must be a finite number in (0, {_FLT_MAX:g}] (a float32 scale), got {value!r}")
 
 
-class GradScaler:
-    """Drop-in for ``torch.amp.GradScaler`` with mpfused extensions.
+def _check_factors(growth_factor, backoff_factor) -> None:
+    """torch's rule (growth_factor > 1, backoff_factor < 1, as AssertionErrors with torch's texts); a
+    non-number or NaN, which torch lets through to a NaN scale, is a ValueError here."""
+    for name, v in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+    if growth_factor <= 1.0:
+        raise AssertionError("The growth factor must be > 1.0.")
+    if backoff_factor >= 1.0:
+        raise AssertionError("The backoff factor must be < 1.0.")
 
-    Extra arguments: ``hysteresis=k`` tolerates k-1 consecutive overflows before backing off (DeepSpeed's
-    behaviour); ``min_scale``/``max_scale`` clamp the scale (it never becomes 0 or inf); ``dynamic=False``
-    keeps the scale at ``init_scale`` (static loss scaling); ``process_group`` keeps every rank of a
-    distributed job in step.
+
+def _check_clamp(name: str, value) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not (ok and value >= 0.0):
+        raise ValueError(f"{name} must be None (no clamp) or a number >= 0, got {value!r}")
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with a sync-free fused path and extras (keyword-only):
+
+    - ``hysteresis=k``: tolerate k-1 consecutive overflows before backing off (DeepSpeed's rule);
+    - ``min_scale``/``max_scale``: opt-in clamps (default None: torch's rule, no clamp);
+    - ``dynamic=False``: the scale stays at ``init_scale`` (static loss scaling); steps are still skipped;
+    - ``process_group``: found_inf is all-reduced (MAX) so that every rank skips together, and
+      clip_grad_norm_ clips by the global norm. Then ``grad_sharding`` is required: ``"replicated"``
+      (DDP: every rank holds the whole gradient, so the local norm is the global one) or ``"sharded"``
+      (FSDP, ZeRO: each rank holds a part; the squares are summed over the ranks).
+
+    Skipped steps: ``found_inf()`` (this or the last iteration's flag) and ``skipped_steps_async()`` (a
+    device-side count kept by update()) never sync; ``skipped_steps`` and ``last_step_skipped`` do.
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: float = 1.0, max_scale: float = 2.0**24, dynamic: bool = True,
-                 process_group=None) -> None:
-        self._device = torch.device(device)
-        if enabled and self._device.type == "cuda" and not torch.cuda.is_available():
-            warnings.warn("mpfused.GradScaler is enabled, but CUDA is not available. Disabling.")
-            enabled = False
-        _check_float("init_scale", init_scale, 0.0, 3.4e38)
-        _check_float("growth_factor", growth_factor, 1.0, math.inf, hi_open=True)
-        _check_float("backoff_factor", backoff_factor, 0.0, 1.0, hi_open=True)
-        _check_int("growth_interval", growth_interval, 1)
+                 hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
+                 dynamic: bool = True, process_group=None, grad_sharding: Optional[str] = None) -> None:
+        device = torch.device(device).type  # torch keeps the device type; the scale lives on the loss's device
+        if enabled:
+            _check_factors(growth_factor, backoff_factor)
+            _check_scale("init_scale", init_scale)
+            _check_int("growth_interval", growth_interval, 1)
         _check_int("hysteresis", hysteresis, 1)
-        _check_float("min_scale", min_scale, 0.0, 3.4e38)
-        _check_float("max_scale", max_scale, 0.0, 3.4e38)
-        if min_scale > max_scale:
+        _check_clamp("min_scale", min_scale)
+        _check_clamp("max_scale", max_scale)
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
-        if dynamic and not min_scale <= init_scale <= max_scale:
+        if enabled and dynamic and not ((min_scale or 0.0) <= init_scale <= (math.inf if max_scale is None else max_scale)):
             raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}]")
-        self._enabled = bool(enabled)
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
+        if process_group is not None and grad_sharding not in _SHARDINGS:
+            raise ValueError("with a process_group, grad_sharding must be 'replicated' (DDP: every rank holds the "
+                             "whole gradient; the norm needs no reduction) or 'sharded' (FSDP, ZeRO: each rank holds "
+                             f"a part; the squares are summed over the ranks), got {grad_sharding!r}")
+        if grad_sharding is not None and grad_sharding not in _SHARDINGS:
+            raise ValueError(f"grad_sharding must be None, 'replicated' or 'sharded', got {grad_sharding!r}")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.cuda.amp.GradScaler is enabled")
+            super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if enabled and not self._enabled:
+            warnings.warn("mpfused.GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
         self._hysteresis = int(hysteresis)
-        self._min_scale = float(min_scale)
-        self._max_scale = float(max_scale)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
         self._dynamic = bool(dynamic)
         self._process_group = process_group
-        self._scale: Optional[torch.Tensor] = None
-        self._inv_scale: Optional[torch.Tensor] = None
-        self._growth_tracker: Optional[torch.Tensor] = None
-        self._hysteresis_left: Optional[torch.Tensor] = None
-        self._counter: Optional[torch.Tensor] = None
-        self._last_found_inf: Optional[torch.Tensor] = None
-        self._per_optimizer: defaultdict = defaultdict(_fresh_state)
+        self._grad_sharding = grad_sharding
+        self._init_hysteresis_left = self._hysteresis
+        self._init_skipped_steps = 0
+        self._reset_device_extras()
+        self._mpf_clip_states: defaultdict = defaultdict(_fresh_clip_state)
 
     # ---- device state ---------------------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        if self._scale is not None:
-            return
-        if self._device.type == "cuda" and self._device.index is None:
-            # "cuda" means the current device; compare grads against cuda:N, not against "cuda"
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        d = self._device
-        self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=d)
-        self._inv_scale = self._scale.double().reciprocal().float()
-        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=d)
-        self._hysteresis_left = torch.full((1,), self._hysteresis, dtype=torch.int32, device=d)
-        # A zeroed counter the overflow kernel borrows for its last-block reduction and leaves zeroed:
-        # it saves the memset of a fresh one in every iteration.
-        self._counter = torch.zeros(1, dtype=torch.int32, device=d)
+    def _reset_device_extras(self) -> None:
+        self._inv_scale: Optional[torch.Tensor] = None
+        self._hysteresis_left: Optional[torch.Tensor] = None
+        self._skipped_steps: Optional[torch.Tensor] = None
+        self._counter: Optional[torch.Tensor] = None
+        self._last_found_inf: Optional[torch.Tensor] = None
 
-    # ---- scale ----------------------------------------------------------------------------------------
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._device_extras()
+
+    def _device_extras(self) -> torch.device:
+        """Creates mpfused's device state next to ``_scale`` (also when a framework set ``_scale`` itself)."""
+        dev = self._scale.device
+        if self._inv_scale is None or self._inv_scale.device != dev:
+            self._inv_scale = self._scale.double().reciprocal().float()
+            self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
+            self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+            # A zeroed counter the overflow kernel borrows for its last-block reduction and leaves zeroed:
+            # it saves the memset of a fresh one in every iteration.
+            self._counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        return dev
+
+    def _ready(self, funcname: str) -> torch.device:
+        self._check_scale_growth_tracker(funcname)
+        return self._device_extras()
+
     def scale(self, outputs):
-        """Multiplies a tensor, or the tensors of nested lists/tuples, by the scale (on the device)."""
-        if not self._enabled:
-            return outputs
-        self._lazy_init()
-
-        def apply(x):
-            if isinstance(x, torch.Tensor):
-                return x * self._scale.to(device=x.device, non_blocking=True)
-            if isinstance(x, (list, tuple)):
-                mapped = [apply(v) for v in x]
-                return type(x)(mapped) if not hasattr(x, "_fields") else type(x)(*mapped)
-            raise ValueError(f"outputs must be a tensor or (nested) lists/tuples of tensors, got {type(x).__name__}")
-
-        return apply(outputs)
+        """torch's scale(): the outputs times the scale, same shapes and dtypes (the scale is 0-d)."""
+        out = super().scale(outputs)
+        if self._enabled and self._scale is not None:
+            self._device_extras()
+        return out
 
     # ---- the gradient pass ------------------------------------------------------------------------------
     @staticmethod
-    def _grads_by_device(optimizer) -> dict[torch.device, list]:
-        by_device: dict[torch.device, list] = defaultdict(list)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_device[p.grad.device].append(p.grad)
-        return by_device
+    def _collect(optimizer, allow_fp16: bool) -> dict:
+        """The optimizer's gradients per device: (tensors for mpfused's kernel, {dtype: tensors for torch's
+        foreach op}). Everything is validated here, before any kernel runs on any device."""
+        per_device: dict = defaultdict(lambda: ([], defaultdict(list)))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            # duplicate indices of scaled FP16 values may overflow only once added: check
+                            # (and unscale) the coalesced values, as torch does
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    view = _kernel_view(grad)
+                    kernel, other = per_device[grad.device]
+                    if view is not None:
+                        kernel.append(view)
+                    else:
+                        other[grad.dtype].append(grad)
+        return per_device
 
-    def _grad_pass(self, optimizer, *, unscale: bool, sumsq: bool, scaled: bool = True) -> None:
-        """One multi-tensor pass per device: found_inf, optionally the sum of squares of the unscaled
-        gradients, optionally the unscale in place; then the cross-rank reductions."""
-        state = self._per_optimizer[id(optimizer)]
-        by_device = self._grads_by_device(optimizer)
-        norm = None
-        if set(by_device) <= {self._device}:
-            # The common case, all grads on the scaler's device: one launch writes found_inf, the sum of
-            # squares and the norm from scratch (fresh tensors need no zero fill, the counter no memset).
-            found = torch.empty(1, dtype=torch.float32, device=self._device)
-            total = torch.empty(1, dtype=torch.float32, device=self._device) if sumsq else None
-            norm = torch.empty(1, dtype=torch.float32, device=self._device) if sumsq else None
-            inv = self._inv_scale if scaled and self._enabled else None
-            _ops.non_finite_check_(by_device.get(self._device, []), found, inv, unscale=unscale and inv is not None,
-                                   sumsq=total, overwrite=True, norm=norm,
-                                   counter=self._counter)
-        else:
-            found = torch.zeros(1, dtype=torch.float32, device=self._device)
-            total = torch.zeros(1, dtype=torch.float32, device=self._device) if sumsq else None
-            for device, grads in by_device.items():
-                home = device == self._device
-                f = found if home else torch.zeros(1, dtype=torch.float32, device=device)
-                s = total if (home or total is None) else torch.zeros(1, dtype=torch.float32, device=device)
-                inv = None
-                if scaled and self._enabled:
-                    inv = self._inv_scale if home else self._inv_scale.to(device, non_blocking=True)
-                _ops.non_finite_check_(grads, f, inv, unscale=unscale and inv is not None, sumsq=s)
-                if not home:
-                    found.add_(f.to(self._device, non_blocking=True))
-                    if total is not None:
-                        total.add_(s.to(self._device, non_blocking=True))
-        if self._process_group is not None:
-            import torch.distributed as dist
+    def _pass(self, per_device: dict, inv_scale: Optional[torch.Tensor], *, unscale: bool, sumsq: bool,
+              found_inf: Optional[torch.Tensor] = None):
+        """One multi-tensor pass per device: found_inf per device, optionally the unscale in place (by
+        inv_scale) and the sum of squares of the unscaled values. ``found_inf`` (optional) is the value each
+        device's flag starts from, as in torch's _unscale_grads_. Returns (found per device, sumsq and norm
+        on the scale's device, or None, None)."""
+        home = self._scale.device
+        found_rep = _MultiDeviceReplicator(found_inf) if found_inf is not None else None
+        inv_rep = _MultiDeviceReplicator(inv_scale) if inv_scale is not None else None
+        # The common case, every grad on the scale's device and all taken by our kernel: one launch writes
+        # found_inf, the sum of squares and the norm from scratch (no zero fills, no memset).
+        fresh = found_rep is None and set(per_device) == {home} and not per_device[home][1]
+        found: dict = {}
+        total = norm = None
+        for device, (kernel, other) in per_device.items():
+            new = torch.empty if fresh else torch.zeros
+            f = found_rep.get(device) if found_rep is not None else new((), dtype=torch.float32, device=device)
+            s = new((), dtype=torch.float32, device=device) if sumsq else None
+            n = torch.empty((), dtype=torch.float32, device=device) if (fresh and sumsq) else None
+            inv = None if inv_rep is None else (inv_scale if device == inv_scale.device else inv_rep.get(device))
+            if kernel or fresh:
+                _ops.non_finite_check_(kernel, f, inv, unscale=unscale and inv is not None, sumsq=s, overwrite=fresh,
+                                       norm=n, counter=self._counter if fresh else None)
+            for grads in other.values():
+                factor = inv if (unscale and inv is not None) else torch.ones((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, f, factor)
+                if s is not None:
+                    part = torch.stack([x.float() for x in torch._foreach_norm(grads)]).square().sum()
+                    s.add_(part if (unscale or inv is None) else part * inv * inv)
+            found[device] = f
+            if sumsq:
+                total = s if total is None else total + s.to(home, non_blocking=True)
+                norm = n
+        if sumsq and norm is None:
+            norm = total.sqrt()
+        return found, total, norm
 
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._process_group)
-            if total is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
-            norm = None  # the global norm is that of the reduced sum
-        state["found_inf"] = found
-        if sumsq:
-            state["sumsq"] = total
-            state["norm"] = norm if norm is not None else total.sqrt()
+    def _all_reduce(self, found: dict, total: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None):
+        """Across the process group: found_inf with MAX (every rank skips together); the sum of squares
+        with SUM for sharded grads only (replicated grads already hold the global norm)."""
+        if self._process_group is None:
+            return total, norm
+        import torch.distributed as dist
+
+        for device in sorted(found, key=str):
+            dist.all_reduce(found[device], op=dist.ReduceOp.MAX, group=self._process_group)
+        if total is not None and self._grad_sharding == "sharded":
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
+            norm = total.sqrt()
+        return total, norm
+
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+        """torch's contract (grads unscaled in place, returns {device: found_inf}), with mpfused's kernel
+        for what it takes. Every grad is validated before anything is unscaled."""
+        per_device = self._collect(optimizer, allow_fp16)
+        return self._pass(per_device, inv_scale, unscale=True, sumsq=False, found_inf=found_inf)[0]
+
+    def _check_inf_per_device(self, optimizer) -> dict:
+        """found_inf per device of the (still scaled) grads, recorded for the optimizer; no unscale."""
+        self._ready("_check_inf_per_device")
+        found = self._pass(self._collect(optimizer, True), None, unscale=False, sumsq=False)[0]
+        self._all_reduce(found)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
 
     def unscale_(self, optimizer) -> None:
-        """Unscales the optimizer's gradients in place (one pass per device, FP32/FP16/BF16) and records
-        found_inf. Call it before inspecting or modifying the gradients; at most once per iteration."""
+        """torch's unscale_(), except that FP16 gradients are accepted (O2/O3 training has them; torch
+        raises). A clip recorded by clip_grad_norm_ before is applied in the same pass."""
         if not self._enabled:
             return
-        self._lazy_init()
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.UNSCALED:
+        self._ready("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is _Stage.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._grad_pass(optimizer, unscale=True, sumsq=False)
-        state["stage"] = _Stage.UNSCALED
-        state["max_norm"] = None  # a clip recorded before is applied by whoever clips the unscaled grads
+        clip = self._mpf_clip_states[id(optimizer)]
+        inv = self._inv_scale
+        if clip["max_norm"] is not None:
+            inv = inv * self._clip_coef(clip["sumsq"], clip["max_norm"])
+        zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        found = self._unscale_grads_(optimizer, inv, zero, True)
+        self._all_reduce(found)
+        state["found_inf_per_device"] = found
+        state["stage"] = OptState.UNSCALED
+        clip["max_norm"] = clip["sumsq"] = None
+
+    @staticmethod
+    def _clip_coef(sumsq: torch.Tensor, max_norm: float) -> torch.Tensor:
+        # torch.nn.utils.clip_grad_norm_'s coefficient; the fused kernels compute the same from sumsq
+        return (max_norm / (sumsq.sqrt() + 1e-6)).clamp(max=1.0)
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the optimizer's gradients to a global norm of ``max_norm`` and returns the unscaled
         global norm as a device tensor (no sync).
 
         With a fused optimizer and the 2-norm, the norm comes from the overflow pass itself and the clip
-        coefficient is applied inside the fused update: no extra pass over the gradients. Otherwise the
-        gradients are unscaled and clipped in place (torch.nn.utils.clip_grad_norm_, or for the 2-norm
-        with a process_group, a global-norm clip).
+        coefficient is applied inside the fused update (or by unscale_(), if it is called next): no extra
+        pass over the gradients. Otherwise the gradients are unscaled and clipped in place
+        (torch.nn.utils.clip_grad_norm_, or with a process_group a global 2-norm clip).
         """
-        _check_float("max_norm", max_norm, 0.0, math.inf, hi_open=True)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0.0 <= max_norm < math.inf:
+            raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
         norm_type = float(norm_type)
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
+        state = self._per_optimizer_states[id(optimizer)] if self._enabled else {"stage": OptState.READY}
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
-        if not self._enabled and self._process_group is None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        clip = self._mpf_clip_states[id(optimizer)]
+        if clip["max_norm"] is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
         if self._enabled:
-            self._lazy_init()
-        fused = isinstance(optimizer, FusedOptimizer)
-        if fused and norm_type == 2.0 and state["stage"] is not _Stage.UNSCALED:
-            self._grad_pass(optimizer, unscale=False, sumsq=True, scaled=self._enabled)
-            state["stage"] = _Stage.CHECKED
-            state["max_norm"] = float(max_norm)
-            return state["norm"]
-        if self._enabled and state["stage"] in (_Stage.READY, _Stage.CHECKED):
-            state["stage"] = _Stage.READY
-            self.unscale_(optimizer)
+            self._ready("clip_grad_norm_")
+            if isinstance(optimizer, FusedOptimizer) and norm_type == 2.0 and state["stage"] is OptState.READY:
+                found, total, norm = self._pass(self._collect(optimizer, True), self._inv_scale, unscale=False, sumsq=True)
+                total, norm = self._all_reduce(found, total, norm)
+                state["found_inf_per_device"] = found
+                clip["sumsq"], clip["max_norm"] = total, float(max_norm)
+                return norm
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self._process_group is None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         if norm_type != 2.0:
             raise ValueError(f"with a process_group only norm_type=2.0 is supported, got {norm_type}")
         # Global 2-norm of the (now unscaled) gradients across ranks, then scale them in place.
-        found_before = state["found_inf"]
-        self._grad_pass(optimizer, unscale=False, sumsq=True, scaled=False)
-        if found_before is not None:
-            state["found_inf"] = torch.maximum(state["found_inf"], found_before)
-        norm = state["sumsq"].sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for device, grads in self._grads_by_device(optimizer).items():
+        found, total, norm = self._pass(self._collect(optimizer, True), None, unscale=False, sumsq=True)
+        total, norm = self._all_reduce(found, total, norm)
+        if self._enabled:
+            recorded = state["found_inf_per_device"]
+            for device, f in found.items():
+                recorded[device] = torch.maximum(recorded[device], f) if device in recorded else f
+        coef = self._clip_coef(total, max_norm)
+        for device, grads in self._grads_by_device(params).items():
             torch._foreach_mul_(grads, coef.to(device, non_blocking=True))
         return norm
 
+    @staticmethod
+    def _grads_by_device(params) -> dict:
+        by_device: dict = defaultdict(list)
+        for p in params:
+            by_device[p.grad.device].append(p.grad)
+        return by_device
+
     # ---- step and update ----------------------------------------------------------------------------------
     def step(self, optimizer, *args: Any, **kwargs: Any):
-        """Steps the optimizer unless the gradients held an inf/NaN. Fused optimizers decide on the
-        device (no sync); other optimizers need found_inf on the host (one sync)."""
-        if not self._enabled:
-            return optimizer.step(*args, **kwargs)
+        """torch's step(); with a fused optimizer the skip is decided on the device (no sync)."""
+        if not self._enabled or not isinstance(optimizer, FusedOptimizer):
+            return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._lazy_init()
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
+        home = self._ready("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if isinstance(optimizer, FusedOptimizer):
-            if state["stage"] is _Stage.READY:
-                self._grad_pass(optimizer, unscale=False, sumsq=False)
-            optimizer.found_inf = state["found_inf"]
-            if state["stage"] is not _Stage.UNSCALED:
-                optimizer._mpf_inv_scale = self._inv_scale
-            if state["max_norm"] is not None:
-                optimizer._mpf_clip = (state["sumsq"], state["max_norm"])
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                for attr in ("found_inf", "_mpf_inv_scale", "_mpf_clip"):
-                    if hasattr(optimizer, attr):
-                        delattr(optimizer, attr)
-        else:
-            if state["stage"] is _Stage.READY:
-                self.unscale_(optimizer)
-            retval = None
-            if not state["found_inf"].item():  # the one host sync of a non-fused optimizer
-                retval = optimizer.step(*args, **kwargs)
-        state["stage"] = _Stage.STEPPED
+        if state["stage"] is OptState.READY and not state["found_inf_per_device"]:
+            self._check_inf_per_device(optimizer)
+        found = list(state["found_inf_per_device"].values())
+        if found:
+            optimizer.found_inf = found[0] if len(found) == 1 else sum(f.to(home, non_blocking=True) for f in found)
+        if state["stage"] is not OptState.UNSCALED:
+            optimizer._mpf_inv_scale = self._inv_scale
+        clip = self._mpf_clip_states[id(optimizer)]
+        if clip["max_norm"] is not None:
+            optimizer._mpf_clip = (clip["sumsq"], clip["max_norm"])
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            for attr in ("found_inf", "_mpf_inv_scale", "_mpf_clip"):
+                if attr in optimizer.__dict__:
+                    delattr(optimizer, attr)
+        state["stage"] = OptState.STEPPED
         return retval
 
     def update(self, new_scale=None) -> None:
-        """Updates the scale from this iteration's found_inf (on the device), or sets it to new_scale."""
+        """torch's update(): the scale update from this iteration's found_inf (one device launch, with
+        hysteresis, clamps and the skipped-step count), or the scale set to ``new_scale``."""
         if not self._enabled:
             return
-        self._lazy_init()
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        home = self._device_extras()
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1 or not new_scale.is_floating_point():
-                    raise ValueError("new_scale must be a float or a one-element floating-point tensor")
-                self._scale.copy_(new_scale.reshape(1))
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
+                    raise AssertionError(reason)
+                _scale.copy_(new_scale.reshape(()))
             else:
-                _check_float("new_scale", new_scale, 0.0, 3.4e38)
-                self._scale.fill_(float(new_scale))
-            self._inv_scale.copy_(self._scale.double().reciprocal())
+                _check_scale("new_scale", new_scale)
+                _scale.fill_(float(new_scale))
+            self._inv_scale.copy_(_scale.double().reciprocal())
         else:
-            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+            found = [f.to(home, non_blocking=True) for s in self._per_optimizer_states.values()
+                     for f in s["found_inf_per_device"].values()]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            total = found[0]
+            combined = found[0]
             for f in found[1:]:
-                total = total + f
-            _ops.loss_scale_update_(self._scale, self._growth_tracker, self._hysteresis_left, total, self._inv_scale,
-                                    growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
-                                    growth_interval=self._growth_interval, hysteresis=self._hysteresis,
-                                    min_scale=self._min_scale, max_scale=self._max_scale, dynamic=self._dynamic)
-            self._last_found_inf = total
-        self._per_optimizer = defaultdict(_fresh_state)
+                combined = combined + f
+            _ops.loss_scale_update_(_scale, _growth_tracker, self._hysteresis_left, self._skipped_steps, combined,
+                                    self._inv_scale, growth_factor=self._growth_factor,
+                                    backoff_factor=self._backoff_factor, growth_interval=self._growth_interval,
+                                    hysteresis=self._hysteresis, min_scale=self._min_scale,
+                                    max_scale=self._max_scale, dynamic=self._dynamic)
+            self._last_found_inf = combined
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._mpf_clip_states = defaultdict(_fresh_clip_state)
 
     # ---- queries ------------------------------------------------------------------------------------------
     def found_inf(self) -> Optional[torch.Tensor]:
-        """This iteration's found_inf (summed over optimizers) as a device tensor, or after update() the
-        last iteration's; != 0 means the step was skipped. No sync."""
-        current = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+        """This iteration's found_inf (summed over optimizers and devices) as a device tensor, or after
+        update() the last iteration's; != 0 means a step was skipped. None before the first check. No sync."""
+        current = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()] \
+            if self._enabled else []
         if current:
-            total = current[0]
-            for f in current[1:]:
-                total = total + f
-            return total
+            home = self._scale.device
+            return sum(f.to(home, non_blocking=True) for f in current[1:]) + current[0] if len(current) > 1 else current[0]
         return self._last_found_inf
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync, as in torch), 1.0 when disabled."""
+    def skipped_steps_async(self) -> Optional[torch.Tensor]:
+        """The number of iterations whose update() saw an inf/NaN (their steps were skipped), as a 0-d int64
+        tensor on the scale's device, kept by the update kernel itself. None before the first scale(). No sync."""
+        return self._skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """The number of skipped iterations so far, as a Python int (a host sync; 0 when disabled)."""
         if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+            return 0
+        return self._init_skipped_steps if self._skipped_steps is None else int(self._skipped_steps.item())
 
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        _check_float("growth_factor", new_factor, 1.0, math.inf, hi_open=True)
-        self._growth_factor = float(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        _check_float("backoff_factor", new_factor, 0.0, 1.0, hi_open=True)
-        self._backoff_factor = float(new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        _check_int("growth_interval", new_interval, 1)
-        self._growth_interval = int(new_interval)
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last update()'s iteration was skipped (a host sync; False before any update)."""
+        return self._last_found_inf is not None and bool(self._last_found_inf.item() != 0)
 
     def get_hysteresis(self) -> int:
         return self._hysteresis
 
-    def _get_growth_tracker(self) -> int:
-        if self._growth_tracker is None:
-            return 0
-        return int(self._growth_tracker.item())
+    def set_growth_factor(self, new_factor: float) -> None:
+        _check_factors(new_factor, self._backoff_factor)
+        self._growth_factor = new_factor
 
-    # ---- state dict -----------------------------------------------------------------------------------------
+    def set_backoff_factor(self, new_factor: float) -> None:
+        _check_factors(self._growth_factor, new_factor)
+        self._backoff_factor = new_factor
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        _check_int("growth_interval", new_interval, 1)
+        self._growth_interval = new_interval
+
+    # ---- state dict and pickling -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.amp.GradScaler's keys (scale, growth_factor, backoff_factor, growth_interval,
-        _growth_tracker) plus mpfused's (hysteresis, _hysteresis_left, min_scale, max_scale, dynamic)."""
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "hysteresis": self._hysteresis,
-            "_hysteresis_left": self._hysteresis if self._hysteresis_left is None else int(self._hysteresis_left.item()),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "dynamic": self._dynamic,
-        }
+        """torch's keys (scale, growth_factor, backoff_factor, growth_interval, _growth_tracker) plus
+        mpfused's (hysteresis, _hysteresis_left, min_scale, max_scale, dynamic, _skipped_steps)."""
+        sd = super().state_dict()
+        if self._enabled:
+            left = self._init_hysteresis_left if self._hysteresis_left is None else int(self._hysteresis_left.item())
+            sd.update(hysteresis=self._hysteresis, _hysteresis_left=left, min_scale=self._min_scale,
+                      max_scale=self._max_scale, dynamic=self._dynamic, _skipped_steps=self.skipped_steps)
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads ours or torch.amp.GradScaler's state dict (mpfused's extra keys keep their values)."""
+        """Loads ours or torch.amp.GradScaler's state dict (a key torch's lacks keeps its value). Every
+        value is validated first: on an error nothing changes."""
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
-        self._init_scale = float(state_dict["scale"])
-        self.set_growth_factor(state_dict["growth_factor"])
-        self.set_backoff_factor(state_dict["backoff_factor"])
-        self.set_growth_interval(state_dict["growth_interval"])
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
-        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
-        self._lazy_init()
-        self._scale.fill_(self._init_scale)
-        self._inv_scale.fill_(1.0 / self._init_scale)
-        self._growth_tracker.fill_(int(state_dict["_growth_tracker"]))
-        self._hysteresis_left.fill_(int(state_dict.get("_hysteresis_left", self._hysteresis)))
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
+                               "instance of GradScaler.")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict lacks the GradScaler keys {missing}")
+        sd = dict(state_dict)
+        _check_scale("state_dict['scale']", sd["scale"])
+        _check_factors(sd["growth_factor"], sd["backoff_factor"])
+        _check_int("state_dict['growth_interval']", sd["growth_interval"], 1)
+        _check_int("state_dict['_growth_tracker']", sd["_growth_tracker"], 0)
+        hysteresis = sd.get("hysteresis", self._hysteresis)
+        _check_int("state_dict['hysteresis']", hysteresis, 1)
+        left = sd.get("_hysteresis_left", hysteresis)
+        _check_int("state_dict['_hysteresis_left']", left, 1)
+        if left > hysteresis:
+            raise ValueError(f"state_dict['_hysteresis_left'] ({left}) must not exceed hysteresis ({hysteresis})")
+        min_scale, max_scale = sd.get("min_scale", self._min_scale), sd.get("max_scale", self._max_scale)
+        _check_clamp("state_dict['min_scale']", min_scale)
+        _check_clamp("state_dict['max_scale']", max_scale)
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"state_dict['min_scale'] ({min_scale}) exceeds state_dict['max_scale'] ({max_scale})")
+        dynamic = sd.get("dynamic", self._dynamic)
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
+        skipped = sd.get("_skipped_steps", self.skipped_steps)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"state_dict['_skipped_steps'] must be an integer >= 0, got {skipped!r}")
+        # every value is valid: write
+        super().load_state_dict(sd)
+        self._hysteresis, self._init_hysteresis_left = hysteresis, left
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
+        self._dynamic, self._init_skipped_steps = dynamic, skipped
+        if self._scale is not None:
+            self._device_extras()
+            self._inv_scale.copy_(self._scale.double().reciprocal())
+            self._hysteresis_left.fill_(left)
+            self._skipped_steps.fill_(skipped)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # torch's rule: only between iterations; tensors rebuilt lazily
+        if self._enabled:
+            state["_init_hysteresis_left"] = self.state_dict()["_hysteresis_left"]
+            state["_init_skipped_steps"] = self.skipped_steps
+        for key in ("_inv_scale", "_hysteresis_left", "_skipped_steps", "_counter", "_last_found_inf"):
+            state[key] = None
+        return state

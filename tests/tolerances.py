@@ -78,3 +78,19 @@ AMP_O2_VS_O0_LOSS_ATOL = {
     torch.float16: 2 * 2.0**-11,  # 2u of FP16
     torch.bfloat16: 2 * 2.0**-8,  # 2u of BF16
 }
+
+# GradScaler runs (tests/test_torch_grad_scaling.py, torch's _run_scaling_case): a model trained through
+# the scaler against a control trained without scaling, lr 1.0, 4 iterations. The scales are powers of
+# two, so scaling and unscaling are exact and the plain runs agree to torch's own atol (1e-7, with its
+# rtol 1e-5): only the fused optimizers' different operation order remains, which is far below it.
+SCALED_RUN_ATOL = 1e-7
+# Clipping, penalty and autocast runs: the clip coefficient (max_norm / (norm + 1e-6)) or the penalty's
+# square root is computed from scaled and from unscaled values, which round differently (the 1e-6 in the
+# denominator is not scaled), and lr 1.0 carries that into the weights: torch's clipping cases use 1e-5.
+SCALED_CLIP_RUN_ATOL = 1e-5
+# Distributed clipping (tests/test_scaler_distributed.py) against torch's clip_grad_norm_ on the whole
+# model in one process, relative: DDP's gradient is the mean of per-rank gradients (gloo adds them in its
+# own order), the whole-batch gradient is one mean; the norms add the same squares in other orders (our
+# FP32 lanes and FP64 partials vs torch's per-tensor norms). A few FP32 ulp (2^-24 each) of a sum of
+# ~60 terms; the bug this catches (a norm sqrt(world) too large) is off by 41% or more.
+DIST_NORM_RTOL = 1e-5

@@ -3,8 +3,10 @@
 // torch.amp.GradScaler's rule (torch._amp_update_scale_), plus:
 //   - hysteresis (DeepSpeed): back off only after `hysteresis` consecutive overflows; a clean step
 //     restores the allowance;
-//   - clamps: growth stops at max_scale and backoff at min_scale, so the scale never becomes inf or 0;
-//   - static mode: the scale never changes.
+//   - opt-in clamps: growth stops at max_scale and backoff at min_scale (the defaults, 0 and inf, are
+//     torch's rule: no clamp, and growth skipped when the product is not finite);
+//   - static mode: the scale never changes;
+//   - a count of skipped steps (found_inf != 0), kept on the device, in every mode.
 // The products are computed in double and rounded to FP32 once, as torch does.
 #pragma once
 
@@ -21,10 +23,11 @@ struct LossScaleConfig {
   bool dynamic;
 };
 
-// State, all on the device: scale, growth_tracker (clean steps since the last change) and the
-// overflows still tolerated before a backoff.
-MPF_HD void loss_scale_update(float& scale, int32_t& growth_tracker, int32_t& hysteresis_left, float found_inf,
-                              const LossScaleConfig& c) {
+// State, all on the device: scale, growth_tracker (clean steps since the last change), the overflows
+// still tolerated before a backoff, and the number of skipped steps so far.
+MPF_HD void loss_scale_update(float& scale, int32_t& growth_tracker, int32_t& hysteresis_left, int64_t& skipped,
+                              float found_inf, const LossScaleConfig& c) {
+  if (found_inf != 0.f) skipped += 1;
   if (!c.dynamic) return;
   if (found_inf != 0.f) {
     growth_tracker = 0;
