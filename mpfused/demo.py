@@ -279,7 +279,6 @@ def train_run(name, opt_level, loss_scale, base_model, cfg, data, heldout, devic
     steps = cfg["steps"]
     gen = torch.Generator().manual_seed(seed)  # the same batches, in the same order, for every run
     losses = torch.zeros(steps, dtype=torch.float32, device=device)
-    skipped = torch.zeros(1, dtype=torch.float32, device=device)
     probe_steps = set(probe["steps"]) if probe else set()
     probes, evals, scales = [], [], []
     step_seconds = 0.0
@@ -310,16 +309,12 @@ def train_run(name, opt_level, loss_scale, base_model, cfg, data, heldout, devic
             t0 = time.perf_counter()
         scaler.step(opt)
         scaler.update()
-        found = scaler.found_inf()
-        if found is not None:
-            skipped += (found != 0).float()
         losses[i] = loss.detach()
         _sync(device)
         step_seconds += time.perf_counter() - t0
 
         if measure:
-            found_now = float(found.item()) if found is not None else 0.0
-            rec = {"step": i + 1, "skipped": found_now != 0}
+            rec = {"step": i + 1, "skipped": scaler.last_step_skipped}
             pairs = [(m, opt.state[p]["master_param"]) for m, p in zip(masters, model.parameters()) if m is not None]
             if pairs and not rec["skipped"]:
                 rec["lost_updates"] = lost_updates([a for a, _ in pairs], [b for _, b in pairs], props.dtype)
@@ -353,7 +348,7 @@ def train_run(name, opt_level, loss_scale, base_model, cfg, data, heldout, devic
         "ms_per_step": 1e3 * step_seconds / steps,
         "weight_bytes": nbytes(list(model.parameters()) + list(model.buffers())),
         "optimizer_state_bytes": nbytes(state),
-        "skipped_steps": int(skipped.item()), "scaler_enabled": scaler.is_enabled(),
+        "skipped_steps": scaler.skipped_steps, "scaler_enabled": scaler.is_enabled(),
         "final_loss_scale": scaler.get_scale(),
         "train_losses": losses, "evals": evals, "loss_scales": scales, "probes": probes,
     }

@@ -225,7 +225,9 @@ class GradScaler(torch.amp.GradScaler):
         inv_scale) and the sum of squares of the unscaled values. ``found_inf`` (optional) is the value each
         device's flag starts from, as in torch's _unscale_grads_. Returns (found per device, sumsq and norm
         on the scale's device, or None, None)."""
-        home = self._scale.device
+        # the scale's device; a disabled scaler (clipping with a process_group) has none
+        scale = getattr(self, "_scale", None)
+        home = scale.device if scale is not None else next(iter(per_device), torch.device("cpu"))
         found_rep = _MultiDeviceReplicator(found_inf) if found_inf is not None else None
         inv_rep = _MultiDeviceReplicator(inv_scale) if inv_scale is not None else None
         # The common case, every grad on the scale's device and all taken by our kernel: one launch writes

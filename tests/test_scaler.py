@@ -9,7 +9,7 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdamW, FusedSGD
 from conftest import requires_cuda
-from tolerances import OPTIM_FP32_ATOL
+from tolerances import CLIPPED_GRAD_TOL, OPTIM_FP32_ATOL
 
 
 def model(device, seed=0):
@@ -102,8 +102,11 @@ def test_skipped_step_leaves_params_and_state_bitwise_unchanged(device):
     assert scaler.get_scale() == 128.0
 
 
+@pytest.mark.parametrize("unscale_after", [False, True], ids=["fused-clip", "clip-then-unscale"])
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
-def test_fused_clipping_equals_torch_clip_on_unscaled_grads(device, max_norm):
+def test_fused_clipping_equals_torch_clip_on_unscaled_grads(device, max_norm, unscale_after):
+    """The clip recorded by clip_grad_norm_ is applied in the fused update, or by unscale_() when it is
+    called next (unscale_ used to drop it and clip nothing)."""
     ours_m, ref_m = model(device), model(device)
     ours, ref = FusedAdamW(ours_m.parameters(), lr=1e-2), torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
     s_ours, s_ref = mpfused.GradScaler(device, init_scale=2.0**12), torch.amp.GradScaler(device, init_scale=2.0**12)
@@ -111,12 +114,18 @@ def test_fused_clipping_equals_torch_clip_on_unscaled_grads(device, max_norm):
         ours.zero_grad()
         s_ours.scale(loss_of(ours_m, x, y)).backward()
         n_ours = s_ours.clip_grad_norm_(ours, max_norm)
-        s_ours.step(ours)
-        s_ours.update()
         ref.zero_grad()
         s_ref.scale(loss_of(ref_m, x, y)).backward()
         s_ref.unscale_(ref)
         n_ref = torch.nn.utils.clip_grad_norm_(ref_m.parameters(), max_norm)
+        if unscale_after:
+            s_ours.unscale_(ours)
+            for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=CLIPPED_GRAD_TOL[0], atol=CLIPPED_GRAD_TOL[1])
+            with pytest.raises(RuntimeError, match="already been called"):
+                s_ours.unscale_(ours)
+        s_ours.step(ours)
+        s_ours.update()
         s_ref.step(ref)
         s_ref.update()
         assert isinstance(n_ours, torch.Tensor) and n_ours.device.type == device
@@ -221,6 +230,208 @@ def test_scale_handles_nested_outputs(device):
 def test_invalid_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mpfused.GradScaler("cpu", **kwargs)
+
+
+# ---- drop-in: what frameworks check, read and call -----------------------------------------------------
+def test_is_a_torch_grad_scaler_with_its_private_api(device):
+    scaler = mpfused.GradScaler(device, init_scale=8.0)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler._enabled and scaler._init_scale == 8.0 and scaler._scale is None and scaler._growth_tracker is None
+    scaler._lazy_init_scale_growth_tracker(torch.device(device))
+    assert scaler._get_scale_async() is scaler._scale and scaler._scale.shape == ()
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = FusedSGD([p], lr=1.0)
+    p.grad = torch.full_like(p, float("inf"))
+    found = scaler._check_inf_per_device(opt)
+    assert scaler._found_inf_per_device(opt) is found and found[p.device].item() == 1.0
+    assert set(scaler._per_optimizer_states[id(opt)]) == {"stage", "found_inf_per_device"}
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is torch.amp.grad_scaler.OptState.READY
+    scaler.step(opt)  # uses the recorded flag: skipped
+    assert p.tolist() == [1.0] * 3
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is torch.amp.grad_scaler.OptState.STEPPED
+
+
+@pytest.mark.parametrize("case", ["channels_last", "float64", "strided"])
+def test_grads_torch_accepts_are_accepted_with_torch_optimizers(device, case):
+    """channels_last grads go to our kernel as a flat view of their memory; float64 and non-dense ones
+    to torch's foreach op. Both scalers must leave the same params."""
+    results = []
+    for cls in (torch.amp.GradScaler, mpfused.GradScaler):
+        torch.manual_seed(0)
+        dtype = torch.float64 if case == "float64" else torch.float32
+        conv = torch.nn.Conv2d(3, 4, 3).to(device=device, dtype=dtype)
+        if case == "channels_last":
+            conv = conv.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+        scaler = cls(device, init_scale=2.0**10, growth_interval=1)
+        x = torch.randn(2, 3, 6, 6, device=device, dtype=dtype)
+        if case == "channels_last":
+            x = x.to(memory_format=torch.channels_last)
+        for it in range(3):
+            opt.zero_grad()
+            scaler.scale(conv(x).square().mean() * (float("inf") if it == 1 else 1.0)).backward()
+            if case == "strided":
+                conv.weight.grad = conv.weight.grad.transpose(0, 1).contiguous().transpose(0, 1)[:, :, ::1, :]
+                assert not conv.weight.grad.is_contiguous()
+            elif case == "channels_last":
+                assert conv.weight.grad.is_contiguous(memory_format=torch.channels_last)
+                assert not conv.weight.grad.is_contiguous()
+            scaler.step(opt)
+            scaler.update()
+        results.append(([p.detach().clone() for p in conv.parameters()], scaler.get_scale()))
+    assert results[0][1] == results[1][1] == 2.0**10 * 2 / 2 * 2
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def _apply(self, factor=1.0):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-g["lr"] * factor)
+
+
+class _AmpAwareWithKwarg(_PlainSGD):
+    """A third-party optimizer of the deprecated protocol: step() takes the scaler itself."""
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.seen = grad_scaler
+        found = sum(v.item() for v in grad_scaler._check_inf_per_device(self).values())
+        if not found:
+            self._apply(1.0 / grad_scaler.get_scale())
+
+
+class _AmpAwareAttributes(_PlainSGD):
+    """A third-party optimizer of the current protocol: grad_scale and found_inf set as attributes."""
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        self.seen = (self.grad_scale.clone(), self.found_inf.clone())
+        if not self.found_inf.item():
+            self._apply(1.0 / self.grad_scale.item())
+
+
+@pytest.mark.parametrize("opt_cls", [_AmpAwareWithKwarg, _AmpAwareAttributes])
+def test_step_supports_amp_scaling_protocol_like_torch(device, opt_cls):
+    outcomes = []
+    for cls in (torch.amp.GradScaler, mpfused.GradScaler):
+        p = torch.nn.Parameter(torch.ones(3, device=device))
+        opt = opt_cls([p], lr=0.5)
+        scaler = cls(device, init_scale=4.0)
+        seen = []
+        for bad in (False, True):
+            opt.zero_grad()
+            scaler.scale((p * (float("inf") if bad else 2.0)).sum()).backward()
+            if opt_cls is _AmpAwareWithKwarg:
+                with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+                    scaler.step(opt)
+                assert opt.seen is scaler
+            else:
+                scaler.step(opt)
+                seen.append(tuple(t.item() for t in opt.seen))
+                assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            scaler.update()
+        outcomes.append((p.tolist(), scaler.get_scale(), seen))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][0] == [0.0] * 3
+
+
+def test_load_state_dict_validates_everything_first(device):
+    scaler = mpfused.GradScaler(device, init_scale=64.0, hysteresis=2)
+    run_pattern(scaler, [0, 1], device)
+    before = scaler.state_dict()
+    good = dict(before)
+    for key, bad in [("scale", float("nan")), ("scale", -1.0), ("scale", 0.0), ("scale", float("inf")),
+                     ("growth_factor", 1.0), ("backoff_factor", 1.0), ("growth_interval", 0),
+                     ("_growth_tracker", -1), ("hysteresis", 0), ("_hysteresis_left", 0), ("_hysteresis_left", 3),
+                     ("min_scale", -1.0), ("dynamic", "yes"), ("_skipped_steps", -2)]:
+        sd = dict(good, **{key: bad})
+        with pytest.raises((ValueError, AssertionError)):
+            scaler.load_state_dict(sd)
+        assert scaler.state_dict() == before, key  # nothing was written
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        scaler.load_state_dict({k: v for k, v in good.items() if k != "_growth_tracker"})
+    assert scaler.state_dict() == before
+    # a torch state dict (its five keys) loads, and the extras keep their values
+    ref = torch.amp.GradScaler(device, init_scale=32.0)
+    scaler.load_state_dict(ref.state_dict())
+    assert scaler.get_scale() == 32.0 and scaler.get_hysteresis() == 2 and scaler.skipped_steps == 1
+
+
+def test_unscale_validates_every_grad_before_unscaling_any(device):
+    scaler = mpfused.GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
+    a = torch.nn.Parameter(torch.ones(3, device=device))
+    b = torch.nn.Parameter(torch.ones(3, device=device, dtype=torch.float16))
+    opt = torch.optim.SGD([a, b], lr=1.0)
+    a.grad, b.grad = torch.full_like(a, 4.0), torch.full_like(b, 4.0)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        scaler._unscale_grads_(opt, torch.full((), 0.25, device=device), torch.zeros((), device=device), False)
+    assert a.grad.tolist() == [4.0] * 3  # the FP32 grad before it was not touched
+
+
+def test_clip_grad_norm_twice_raises(device):
+    scaler = mpfused.GradScaler(device)
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = FusedSGD([p])
+    scaler.scale(p.sum()).backward()
+    scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) has already been called"):
+        scaler.clip_grad_norm_(opt, 1.0)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_skipped_steps_are_counted_on_the_device(device, dynamic):
+    scaler = mpfused.GradScaler(device, init_scale=16.0, dynamic=dynamic)
+    assert scaler.skipped_steps == 0 and scaler.skipped_steps_async() is None and not scaler.last_step_skipped
+    pattern = [0, 1, 1, 0, 1, 0]
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = FusedSGD([p], lr=0.1)
+    for i, bad in enumerate(pattern):
+        opt.zero_grad()
+        scaler.scale((p * (float("inf") if bad else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        count = scaler.skipped_steps_async()
+        assert count.device.type == device and count.dtype == torch.int64 and count.shape == ()
+        assert count.item() == sum(pattern[: i + 1]) == scaler.skipped_steps
+        assert scaler.last_step_skipped == bool(bad)
+    restored = mpfused.GradScaler(device)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.skipped_steps == 3
+
+
+def test_growth_after_lowering_the_interval_differs_from_torch_deliberately(device):
+    """torch grows only when the tracker equals growth_interval: after set_growth_interval() lowers the
+    interval below the tracker (or a state dict brings a larger tracker), its scale never grows again.
+    Ours grows at the next clean step (tracker >= interval)."""
+    scales = {}
+    for name, cls in (("torch", torch.amp.GradScaler), ("mpfused", mpfused.GradScaler)):
+        scaler = cls(device, init_scale=8.0, growth_interval=4)
+        run_pattern(scaler, [0, 0, 0], device)
+        scaler.set_growth_interval(2)
+        scales[name] = [s for s, _ in run_pattern(scaler, [0, 0, 0], device)]
+    assert scales["torch"] == [8.0, 8.0, 8.0]
+    assert scales["mpfused"] == [16.0, 16.0, 32.0]
+
+
+def test_disabled_scaler_clips_across_a_process_group_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        scaler = mpfused.GradScaler("cpu", enabled=False, process_group=dist.group.WORLD, grad_sharding="sharded")
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full_like(p, 2.0)
+        norm = scaler.clip_grad_norm_(FusedSGD([p]), 1.0)
+        assert norm.item() == 4.0 and p.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-6)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- CUDA only -------------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def test_unscale_sparse_grads(device, scaler_cls):
     for bad in (False, True):
         if bad:
             v[1, 1] = float("inf")
-        p.grad = torch.sparse_coo_tensor(i, v.clone(), (4, 3))
+        p.grad = torch.sparse_coo_tensor(i, v.clone(), (4, 3), check_invariants=True)
         found = scaler._unscale_grads_(opt, torch.full((), 0.25, device=device), torch.zeros((), device=device), False)
         assert found[p.device].item() == float(bad)
         if not bad:
@@ -306,12 +306,13 @@ def test_unscale_sparse_grads(device, scaler_cls):
     # FP16: duplicates that overflow only once added are found, on the coalesced values
     p16 = torch.nn.Parameter(torch.zeros(4, 3, device=device, dtype=torch.float16))
     opt16 = torch.optim.SGD([p16], lr=1.0)
-    p16.grad = torch.sparse_coo_tensor(i, torch.full((3, 3), 6.4e4, device=device, dtype=torch.float16), (4, 3))
+    p16.grad = torch.sparse_coo_tensor(i, torch.full((3, 3), 6.4e4, device=device, dtype=torch.float16), (4, 3), check_invariants=True)
     found = scaler._unscale_grads_(opt16, torch.full((), 1.0, device=device), torch.zeros((), device=device), True)
     assert found[p16.device].item() == 1.0 and p16.grad.is_coalesced()
     # without duplicates the same values are finite
     p16.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]], device=device),
-                                       torch.full((2, 3), 6.4e4, device=device, dtype=torch.float16), (4, 3))
+                                       torch.full((2, 3), 6.4e4, device=device, dtype=torch.float16), (4, 3),
+                                       check_invariants=True)
     found = scaler._unscale_grads_(opt16, torch.full((), 1.0, device=device), torch.zeros((), device=device), True)
     assert found[p16.device].item() == 0.0
 

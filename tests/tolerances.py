@@ -94,3 +94,7 @@ SCALED_CLIP_RUN_ATOL = 1e-5
 # FP32 lanes and FP64 partials vs torch's per-tensor norms). A few FP32 ulp (2^-24 each) of a sum of
 # ~60 terms; the bug this catches (a norm sqrt(world) too large) is off by 41% or more.
 DIST_NORM_RTOL = 1e-5
+# Gradients after clip_grad_norm_ + unscale_ (ours: each value times (1/scale * clip coefficient), one
+# rounding, the coefficient from our FP32 sum of squares) against torch's unscale_ then clip_grad_norm_
+# (two roundings, its own norm): a few FP32 ulp apart, (rtol, atol); atol for values near zero.
+CLIPPED_GRAD_TOL = (1e-5, 1e-7)
