@@ -252,7 +252,8 @@ class GradScaler(torch.amp.GradScaler):
                     s.add_(part if (unscale or inv is None) else part * inv * inv)
             found[device] = f
             if sumsq:
-                total = s if total is None else total + s.to(home, non_blocking=True)
+                s = s.to(home, non_blocking=True)
+                total = s if total is None else total + s
                 norm = n
         if sumsq and norm is None:
             norm = total.sqrt()
