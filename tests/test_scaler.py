@@ -434,6 +434,28 @@ def test_disabled_scaler_clips_across_a_process_group_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+def test_fused_iteration_reads_nothing_on_the_host(device, monkeypatch):
+    """The Python of the fused path (clip_grad_norm_, step, update) never asks a tensor for a host value:
+    item(), bool(), float(), int() and tolist() raise inside it. (On CUDA the sync-debug test checks
+    the same end to end.)"""
+    m = model(device)
+    opt = FusedAdamW(m.parameters(), lr=1e-3)
+    scaler = mpfused.GradScaler(device)
+    (x, y), = data(device, 1)
+    for it in range(2):
+        opt.zero_grad()
+        scaler.scale(loss_of(m, x, y)).backward()
+        with monkeypatch.context() as mp:
+            def forbidden(*args, **kwargs):
+                raise AssertionError("host read of a tensor in the fused path")
+            for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+                mp.setattr(torch.Tensor, name, forbidden)
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+    assert torch.isfinite(norm).item() and scaler.skipped_steps == 0
+
+
 # ---- CUDA only -------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @requires_cuda
