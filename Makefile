@@ -14,7 +14,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
-.PHONY: venv build test test-python test-native demo bench cuda-compile sass-check cuda-install-check cuda-check gpu-check clean
+.PHONY: venv build test test-python test-native isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check gpu-check clean
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,36 @@ build: venv
 	MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
 	$(VPY) -m mpfused
 
+# The CPU kernel tests run again under every other CPU path this machine supports (MPFUSED_CPU_ISA);
+# the paths it lacks are listed as skipped. tests/test_cpu_isa.py compares the paths bit for bit.
+ISA_PATHS := scalar avx2 avx512
+KERNEL_TESTS := tests/test_overflow.py tests/test_optim.py tests/test_gemm.py
+SUPPORTED_ISAS = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['cpu_isa_supported'].replace(',', ''))")
+DEFAULT_ISA = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['cpu_isa'])")
+
 test-python: build
 	$(VPY) -m pytest -q
+	@supported="$(SUPPORTED_ISAS)"; default="$(DEFAULT_ISA)"; echo "CPU path $$default: full suite ran above"; \
+	for isa in $(ISA_PATHS); do \
+	  case " $$supported " in *" $$isa "*) ;; *) echo "CPU path $$isa: SKIPPED (this CPU lacks it)"; continue;; esac; \
+	  [ "$$isa" = "$$default" ] && continue; \
+	  echo "CPU path $$isa: kernel tests"; \
+	  MPFUSED_CPU_ISA=$$isa $(VPY) -m pytest -q $(KERNEL_TESTS) || exit 1; \
+	done
 
-test-native:
+test-native: build
 	cmake -S . -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release -DMPFUSED_CUDA=OFF
 	cmake --build $(NATIVE_BUILD) -j $(JOBS)
-	ctest --test-dir $(NATIVE_BUILD) --output-on-failure
+	@supported="$(SUPPORTED_ISAS)"; \
+	for isa in $(ISA_PATHS); do \
+	  case " $$supported " in *" $$isa "*) ;; *) echo "CPU path $$isa: native tests SKIPPED (this CPU lacks it)"; continue;; esac; \
+	  echo "CPU path $$isa: native tests"; \
+	  MPFUSED_CPU_ISA=$$isa ctest --test-dir $(NATIVE_BUILD) --output-on-failure || exit 1; \
+	done
+
+# The avx512 clones use 512-bit vectors (read from the machine code; no AVX-512 hardware needed).
+isa-check: build
+	$(VPY) .ci/check_isa_clones.py
 
 test: test-python test-native
 

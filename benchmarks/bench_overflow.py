@@ -87,6 +87,8 @@ SEED = 0
 # Targets of the project (see the module docstring).
 TARGET_CHECK_PCT_READ_ROOF = 85.0  # (a), on the CPU
 TARGET_SUMSQ_SPEEDUP = 2.0  # (b)
+TARGET_F16_UNSCALE_VS_TORCH = 1.0  # (d), FP16 on the CPU: torch's check+unscale time / ours
+TARGET_F16_SUMSQ_PCT_READ_ROOF = 85.0  # (e), FP16 on the CPU
 
 TASK_CHECK = "check"
 TASK_SUMSQ = "check+sumsq"
@@ -334,6 +336,22 @@ def evaluate_targets(records: list[dict[str, Any]], device: torch.device, planne
             "dtype": dtype_name, "measured": f"{same_work:.2f}x", "threshold": "", "verdict": "INFO",
             "value": same_work,
         })
+        unscale_ratio = (find(records, dtype_name, TORCH_UNSCALE)["timing"]["median_s"]
+                         / find(records, dtype_name, OURS_UNSCALE)["timing"]["median_s"])
+        sumsq_pct = find(records, dtype_name, OURS_SUMSQ)["pct_read_roof"]
+        decided = not on_cuda and dtype_name == "FP16"
+        targets.append({
+            "target": "(d) check+unscale speed vs torch _amp_foreach_..._unscale_", "dtype": dtype_name,
+            "measured": f"{unscale_ratio:.2f}x", "threshold": f">= {TARGET_F16_UNSCALE_VS_TORCH:.1f}x (CPU, FP16)",
+            "verdict": ("PASS" if unscale_ratio >= TARGET_F16_UNSCALE_VS_TORCH else "FAIL") if decided else "INFO",
+            "value": unscale_ratio,
+        })
+        targets.append({
+            "target": "(e) check+sumsq, % of read roof", "dtype": dtype_name, "measured": f"{sumsq_pct:.1f}%",
+            "threshold": f">= {TARGET_F16_SUMSQ_PCT_READ_ROOF:.0f}% (CPU, FP16)",
+            "verdict": ("PASS" if sumsq_pct >= TARGET_F16_SUMSQ_PCT_READ_ROOF else "FAIL") if decided else "INFO",
+            "value": sumsq_pct,
+        })
         if on_cuda:
             launches = find(records, dtype_name, OURS_CHECK)["kernels_per_call"]
             targets.append({
@@ -377,6 +395,9 @@ def main() -> None:
     machine = machine_info(device)
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))
     print_header(NAME, machine, roofs)
+    if device.type == "cpu":
+        print_text(f"CPU path measured: {machine['mpfused_build']['cpu_isa']} (MPFUSED_CPU_ISA; supported here: "
+                   f"{machine['mpfused_build']['cpu_isa_supported']})")
     print_text(f"list: {len(sizes)} tensors, {elements / 1e6:.1f}M elements (largest {max(sizes):,}, "
                f"median {sorted(sizes)[len(sizes) // 2]:,}, smallest {min(sizes):,}); "
                f"{args.warmup} warm-up + up to {args.repeats} timed calls per method, "

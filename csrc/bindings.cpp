@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "cpu/isa.h"
 
 #ifdef MPFUSED_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -650,6 +651,8 @@ pybind11::dict build_info() {
   d["cuda_version"] = pybind11::none();
   d["cuda_arch_list"] = pybind11::none();
 #endif
+  d["cpu_isa"] = mpf::cpu_isa_name(mpf::cpu_isa());  // throws on a bad MPFUSED_CPU_ISA
+  d["cpu_isa_supported"] = mpf::cpu_supported_isas();
 #ifdef _OPENMP
   d["openmp"] = true;
 #else

@@ -41,6 +41,7 @@ def _load_native():
 
 
 _C = _load_native()
+_C.build_info()  # a bad MPFUSED_CPU_ISA raises its ValueError here, at import, not in a kernel
 
 
 def build_info() -> dict:

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_build_info_reports_what_was_compiled():
     info = mpfused.build_info()
-    assert set(info) == {"version", "torch_version", "cuda_version", "cuda_arch_list", "openmp"}
+    assert set(info) == {"version", "torch_version", "cuda_version", "cuda_arch_list", "cpu_isa", "cpu_isa_supported",
+                         "openmp"}
+    assert info["cpu_isa"] in info["cpu_isa_supported"].split(", ")
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert info["version"] == re.search(r'^version\s*=\s*"([^"]+)"', pyproject, re.M).group(1)
     assert info["version"] == mpfused.__version__

@@ -16,22 +16,8 @@
 namespace mpf {
 namespace {
 
-#define MPF_CPU_IMPL_NS baseline
-#define MPF_CPU_F16C 0
-#include "gemm_impl.inc"
-#undef MPF_CPU_F16C
-#undef MPF_CPU_IMPL_NS
-
-#if MPF_HAVE_AVX2_CLONES
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define MPF_CPU_IMPL_NS avx2
-#define MPF_CPU_F16C 1
-#include "gemm_impl.inc"
-#undef MPF_CPU_F16C
-#undef MPF_CPU_IMPL_NS
-#pragma GCC pop_options
-#endif
+#define MPF_CPU_IMPL_FILE "gemm_impl.inc"
+#include "isa_clones.inc"
 
 constexpr int64_t kGrain = int64_t{1} << 15;  // output elements per thread before another one is worth it
 
@@ -60,10 +46,7 @@ void gemm_epilogue_cpu(const float* acc, const GemmArgs& g, int num_threads) {
   }
   const int64_t total = g.batch * g.m * g.n;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
-#if MPF_HAVE_AVX2_CLONES
-  if (cpu_has_avx2()) return avx2::run(acc, g, bias, threads);
-#endif
-  baseline::run(acc, g, bias, threads);
+  MPF_CPU_DISPATCH(run(acc, g, bias, threads));
 }
 
 void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_t cols, float* dst, int num_threads) {
@@ -73,10 +56,7 @@ void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_
   const int64_t len = src.col_major ? rows : cols;
   const int64_t total = batch * rows * cols;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
-#if MPF_HAVE_AVX2_CLONES
-  if (cpu_has_avx2()) return avx2::widen(src, batch, lines, len, dst, threads);
-#endif
-  baseline::widen(src, batch, lines, len, dst, threads);
+  MPF_CPU_DISPATCH(widen(src, batch, lines, len, dst, threads));
 }
 
 }  // namespace mpf

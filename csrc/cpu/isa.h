@@ -1,25 +1,102 @@
-// Run-time choice of the CPU code path. The hot CPU loops are compiled twice: for baseline x86-64 and,
-// with GCC/Clang on x86-64, for AVX2+FMA+F16C (see overflow.cpp). Both compile the same source. (GCC 12's
-// _Float16 conversions were tried for FP16 and measured slower than the portable branch-free code,
-// which vectorises: they are not used.)
+// Run-time choice of the CPU code path. The hot CPU loops (overflow_impl.inc, optim_impl.inc,
+// gemm_impl.inc) are compiled up to three times from the same source by isa_clones.inc: baseline
+// x86-64 ("scalar"), AVX2+FMA+F16C ("avx2") and AVX-512F/BW/VL/DQ with FMA+F16C and 512-bit vectors
+// ("avx512"). cpu_isa() picks one path for every CPU kernel: the best the CPU supports, or the one
+// named by the environment variable MPFUSED_CPU_ISA (scalar|avx2|avx512|auto), read once.
 #pragma once
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MPF_HAVE_AVX2_CLONES 1
+#define MPF_HAVE_AVX512_CLONES 1
 #else
 #define MPF_HAVE_AVX2_CLONES 0
+#define MPF_HAVE_AVX512_CLONES 0
 #endif
 
 namespace mpf {
 
-inline bool cpu_has_avx2() {
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int kNumCpuIsa = 3;
+
+inline const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// Whether this build has the path and this CPU can run it.
+inline bool cpu_supports(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return true;
+    case CpuIsa::kAvx2:
 #if MPF_HAVE_AVX2_CLONES
-  static const bool yes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return yes;
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
-  return false;
+      return false;
 #endif
+    case CpuIsa::kAvx512:
+#if MPF_HAVE_AVX512_CLONES
+      return cpu_supports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+// "scalar, avx2" (best last): the paths MPFUSED_CPU_ISA may name on this machine.
+inline std::string cpu_supported_isas() {
+  std::string s;
+  for (int i = 0; i < kNumCpuIsa; ++i)
+    if (cpu_supports(static_cast<CpuIsa>(i))) s += std::string(s.empty() ? "" : ", ") + cpu_isa_name(static_cast<CpuIsa>(i));
+  return s;
+}
+
+// The path named by `value` (nullptr, "" or "auto": the best supported). Throws std::invalid_argument
+// naming the variable, the value and the supported paths for an unknown or unsupported value.
+inline CpuIsa parse_cpu_isa(const char* value) {
+  const std::string v = value ? value : "";
+  if (v.empty() || v == "auto") {
+    for (int i = kNumCpuIsa - 1; i > 0; --i)
+      if (cpu_supports(static_cast<CpuIsa>(i))) return static_cast<CpuIsa>(i);
+    return CpuIsa::kScalar;
+  }
+  for (int i = 0; i < kNumCpuIsa; ++i) {
+    const CpuIsa isa = static_cast<CpuIsa>(i);
+    if (v != cpu_isa_name(isa)) continue;
+    if (cpu_supports(isa)) return isa;
+    throw std::invalid_argument("MPFUSED_CPU_ISA='" + v + "': this CPU does not support the " + v +
+                                " path; supported here: " + cpu_supported_isas() + " (or auto)");
+  }
+  throw std::invalid_argument("MPFUSED_CPU_ISA='" + v + "' is not a CPU path; expected one of auto, scalar, avx2, avx512"
+                              " (supported here: " + cpu_supported_isas() + ")");
+}
+
+// The path every CPU kernel uses, chosen once from MPFUSED_CPU_ISA (a bad value throws on every call).
+inline CpuIsa cpu_isa() {
+  static const CpuIsa isa = parse_cpu_isa(std::getenv("MPFUSED_CPU_ISA"));
+  return isa;
 }
 
 }  // namespace mpf
+
+// Calls NS::call for the namespace of the selected path (the clones isa_clones.inc compiled).
+#if MPF_HAVE_AVX512_CLONES
+#define MPF_CPU_DISPATCH(call)                                 \
+  do {                                                         \
+    switch (::mpf::cpu_isa()) {                                \
+      case ::mpf::CpuIsa::kAvx512: return avx512::call;        \
+      case ::mpf::CpuIsa::kAvx2: return avx2::call;            \
+      default: return baseline::call;                          \
+    }                                                          \
+  } while (0)
+#else
+#define MPF_CPU_DISPATCH(call) return baseline::call
+#endif

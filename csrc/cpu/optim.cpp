@@ -26,22 +26,8 @@ struct StepConsts {
   const uint8_t* first_step;  // per tensor (SGD momentum)
 };
 
-#define MPF_CPU_IMPL_NS baseline
-#define MPF_CPU_F16C 0
-#include "optim_impl.inc"
-#undef MPF_CPU_F16C
-#undef MPF_CPU_IMPL_NS
-
-#if MPF_HAVE_AVX2_CLONES
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define MPF_CPU_IMPL_NS avx2
-#define MPF_CPU_F16C 1
-#include "optim_impl.inc"
-#undef MPF_CPU_F16C
-#undef MPF_CPU_IMPL_NS
-#pragma GCC pop_options
-#endif
+#define MPF_CPU_IMPL_FILE "optim_impl.inc"
+#include "isa_clones.inc"
 
 constexpr int64_t kGrain = int64_t{1} << 16;  // elements per thread before another thread is worth it
 
@@ -75,10 +61,7 @@ void optim_step_cpu(const OptimArgs& a, int num_threads) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
   auto go = [&](auto kind) {
     constexpr OptimKind K = decltype(kind)::value;
-#if MPF_HAVE_AVX2_CLONES
-    if (cpu_has_avx2()) return avx2::run<K>(a, consts, work, threads);
-#endif
-    baseline::run<K>(a, consts, work, threads);
+    MPF_CPU_DISPATCH(run<K>(a, consts, work, threads));
   };
   if (a.kind == OptimKind::kAdam) go(std::integral_constant<OptimKind, OptimKind::kAdam>{});
   else go(std::integral_constant<OptimKind, OptimKind::kSgd>{});

@@ -12,21 +12,15 @@
 #include "../kernels.h"
 #include "isa.h"
 
+#if MPF_HAVE_AVX2_CLONES
+#include <immintrin.h>
+#endif
+
 namespace mpf {
 namespace {
 
-#define MPF_CPU_IMPL_NS baseline
-#include "overflow_impl.inc"
-#undef MPF_CPU_IMPL_NS
-
-#if MPF_HAVE_AVX2_CLONES
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define MPF_CPU_IMPL_NS avx2
-#include "overflow_impl.inc"
-#undef MPF_CPU_IMPL_NS
-#pragma GCC pop_options
-#endif
+#define MPF_CPU_IMPL_FILE "overflow_impl.inc"
+#include "isa_clones.inc"
 
 }  // namespace
 
@@ -45,10 +39,7 @@ void overflow_check_cpu(const OverflowArgs& a, int num_threads) {
   if (!work.empty()) {
     dispatch_overflow_mode(a.inv_scale != nullptr, a.unscale, a.sumsq != nullptr, [&](auto mode) {
     using Mode = decltype(mode);
-#if MPF_HAVE_AVX2_CLONES
-    if (cpu_has_avx2()) return avx2::run<Mode>(a, work, num_threads);
-#endif
-    baseline::run<Mode>(a, work, num_threads);
+    MPF_CPU_DISPATCH(run<Mode>(a, work, num_threads));
     });
   }
   if (a.norm && a.sumsq) *a.norm = std::sqrt(*a.sumsq);

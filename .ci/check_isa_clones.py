@@ -1,0 +1,72 @@
+"""Proves from the built extension's machine code, on any x86-64 machine (AVX-512 hardware or not), that
+the CPU clones use the vector widths of their instruction sets: every hot loop of the avx512 clone has
+zmm (512-bit) instructions, the avx2 clone has ymm and no zmm, the baseline clone neither.
+
+    python .ci/check_isa_clones.py [path/to/mpfused/_C*.so]     (exit status 1 on a failed check)
+"""
+
+import glob
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# The loops that isa_clones.inc compiles per path (function names inside namespace baseline/avx2/avx512).
+HOT_LOOPS = ["overflow_span", "optim_span", "epilogue", "widen_lines"]
+SYMBOL = re.compile(r"^[0-9a-f]+ <(.*)>:$")
+CLONE = re.compile(r"::(baseline|avx2|avx512)::(\w+)")
+
+
+def register_use(so_path: str) -> dict[tuple[str, str], dict[str, int]]:
+    """(clone, function) -> instruction count and counts of those naming ymm / zmm registers."""
+    dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", so_path], check=True, capture_output=True,
+                         text=True).stdout
+    use: dict[tuple[str, str], dict[str, int]] = {}
+    current = None
+    for line in dis.splitlines():
+        m = SYMBOL.match(line)
+        if m:
+            c = CLONE.search(m.group(1))
+            current = use.setdefault((c.group(1), c.group(2)), {"insns": 0, "ymm": 0, "zmm": 0}) if c else None
+        elif current is not None and "\t" in line:
+            current["insns"] += 1
+            current["ymm"] += "%ymm" in line
+            current["zmm"] += "%zmm" in line
+    return use
+
+
+def check(so_path: str) -> list[str]:
+    """The failed checks (empty when the clones are as they should be)."""
+    use = register_use(so_path)
+    problems = []
+    for fn in HOT_LOOPS:
+        for clone in ("avx2", "avx512"):  # the baseline one may be inlined into its caller
+            if (clone, fn) not in use:
+                problems.append(f"{clone}::{fn} not found in {so_path}")
+        if use.get(("avx512", fn), {}).get("zmm", 0) == 0:
+            problems.append(f"avx512::{fn} has no zmm instruction: GCC kept to 256-bit vectors")
+        if use.get(("avx2", fn), {}).get("ymm", 0) == 0:
+            problems.append(f"avx2::{fn} has no ymm instruction")
+    for (clone, fn), n in sorted(use.items()):
+        if clone != "avx512" and n["zmm"]:
+            problems.append(f"{clone}::{fn} uses zmm registers ({n['zmm']} instructions)")
+        if clone == "baseline" and n["ymm"]:
+            problems.append(f"baseline::{fn} uses ymm registers ({n['ymm']} instructions)")
+    return problems
+
+
+def main() -> int:
+    paths = sys.argv[1:] or glob.glob(str(Path(__file__).resolve().parents[1] / "mpfused" / "_C*.so"))
+    if len(paths) != 1:
+        print(f"expected one built extension, found {paths}", file=sys.stderr)
+        return 1
+    problems = check(paths[0])
+    for p in problems:
+        print("FAIL:", p)
+    if not problems:
+        print(f"ISA clones OK in {Path(paths[0]).name}: {', '.join(HOT_LOOPS)} use zmm in avx512, ymm in avx2")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
