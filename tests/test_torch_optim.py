@@ -375,3 +375,46 @@ def test_tensor_hyperparameters_on_the_host_only():
     meta = torch.tensor(0.1, device="meta")
     with pytest.raises(NotImplementedError, match="weight_decay as a meta tensor"):
         FusedSGD(make_params(), weight_decay=meta)
+
+
+# ---- grads after scaler.step: what the update used, as torch's fused optimizers leave them ---------------
+@pytest.mark.parametrize("name", PAIRS)
+def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name):
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = make_params(), make_params()
+    ours, theirs = ours_cls(a, lr=0.01), theirs_cls(b, lr=0.01, fused=True)
+    sa, sb = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s, poison in ((0, False), (1, True), (2, False)):
+        sa.scale(torch.ones(()))  # the scalers start their scale; the grads below stand for scaled ones
+        sb.scale(torch.ones(()))
+        fill_grads(a, s)
+        fill_grads(b, s)
+        if poison:  # an overflow: the step is skipped and the grads stay as they were
+            a[1].grad[0] = b[1].grad[0] = float("inf")
+        before = [p.grad.clone() for p in a]
+        sa.step(ours)
+        sb.step(theirs)
+        sa.update()
+        sb.update()
+        for pa, pb, g0 in zip(a, b, before):
+            torch.testing.assert_close(pa.grad, pb.grad, atol=0, rtol=0)
+            assert torch.equal(pa.grad, g0) == poison
+            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_grads_after_a_clipping_mpfused_scaler_step_are_unscaled_and_clipped(name):
+    import mpfused
+    p = make_params()
+    opt = PAIRS[name][0](p, lr=0.01)
+    scaler = mpfused.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(torch.ones(()))
+    fill_grads(p, 0)
+    unscaled = [q.grad / 256.0 for q in p]
+    norm = torch.linalg.vector_norm(torch.cat([u.flatten() for u in unscaled]))
+    assert norm > 0.01  # the clip below is active
+    expected = [u * (0.01 / (norm + 1e-6)) for u in unscaled]
+    scaler.clip_grad_norm_(opt, max_norm=0.01)
+    scaler.step(opt)
+    for q, e in zip(p, expected):
+        torch.testing.assert_close(q.grad, e, atol=OPTIM_FP32_ATOL, rtol=0)

@@ -223,6 +223,7 @@ class FusedOptimizer(Optimizer):
                 )
             return per_device[device]
 
+        written: dict[torch.device, list] = {}
         for group, params in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
@@ -235,7 +236,30 @@ class FusedOptimizer(Optimizer):
                 if isinstance(lr, torch.Tensor):
                     lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
                 self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device))
+                written.setdefault(device, []).extend(p.grad for p in ps)
+        for device, grads in written.items():
+            self._write_used_grads(grads, *device_scalars(device))
         return loss
+
+    @staticmethod
+    def _write_used_grads(grads, unscale: dict, clip, found_inf) -> None:
+        """Leaves in p.grad the gradient the update used (unscaled, clipped), as torch's fused optimizers
+        do; on a skipped step (found_inf != 0) the factors are 1 and the grads stay as they were. Sync-free
+        (the factors stay on the device), in the kernel's order of rounding: (g * inv) * clip.
+        TODO: fold this write into the update kernel (one pass instead of up to three)."""
+        factors = []
+        if "inv_scale" in unscale:
+            factors.append(unscale["inv_scale"].reshape(()).to(torch.float32))
+        elif "grad_scale" in unscale:
+            factors.append((1.0 / unscale["grad_scale"].reshape(()).double()).float())
+        if clip is not None:
+            coef = clip[1] / (clip[0].reshape(()).float().sqrt() + 1e-6)
+            factors.append(torch.where(coef >= 1.0, torch.ones_like(coef), coef))
+        for f in factors:
+            if found_inf is not None:
+                f = torch.where(found_inf.reshape(()) != 0, torch.ones_like(f), f)
+            for dtype in {g.dtype for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], f)
 
     def _counter(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
