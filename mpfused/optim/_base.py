@@ -4,31 +4,86 @@ master weights, torch.amp.GradScaler integration, and a state-dict loader that k
 from __future__ import annotations
 
 import math
+import warnings
+import numbers
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch.optim import Optimizer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_lr(lr) -> None:
+def _is_real(value) -> bool:
+    # Python and numpy scalars (np.float32, np.float64, np.int64, ...), not bools.
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_lr(lr, where: str = "") -> None:
+    """torch's checks and texts: a tensor lr must have one element; a number must be >= 0."""
     if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(f"Invalid learning rate: a tensor lr must be one floating-point element, got {tuple(lr.shape)} {lr.dtype}")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element" + where)
+        if not lr.is_floating_point():
+            raise ValueError(f"Invalid learning rate: a tensor lr must be floating point, got {lr.dtype}{where}")
         return
-    check_number("learning rate", lr, 0.0)
+    check_number("learning rate", lr, where=where)
 
 
-def check_number(name: str, value, lo: float, hi: float = math.inf, hi_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"Invalid {name}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < lo or value > hi or (hi_open and value == hi):
-        bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
-        raise ValueError(f"Invalid {name}: {value} (expected a finite value in {bound})")
+def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
+                 where: str = "") -> None:
+    """torch's ``Invalid <name>: <value>`` for a number outside [lo, hi] (or [lo, hi)), NaN included, and
+    (stricter than torch, which would step into NaN weights) for an infinite one."""
+    if not _is_real(value):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number, got {type(value).__name__}){where}")
+    v = float(value)
+    if not math.isfinite(v) or not (lo <= v <= hi) or (hi_open and v == hi):
+        raise ValueError(f"Invalid {name}: {value}{where}")
+
+
+def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
+                           where: str = "") -> None:
+    """A hyperparameter that may also be a one-element tensor (betas, SGD's weight_decay). Tensors are read
+    in step() on the host, so they must live in CPU memory (reading a CUDA tensor would sync the host)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element{where}")
+        if value.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name} as a {value.device.type} tensor is not supported by the fused optimizers (step() would "
+                f"have to read it on the host); pass a float or a CPU tensor{where}")
+        value = value.item()
+    check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
+
+
+def scalar(value) -> float:
+    """A checked hyperparameter as a Python float (a tensor here is a one-element CPU tensor)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def check_common_kwargs(foreach, fused, capturable, differentiable) -> None:
+    """torch's implementation-choice kwargs: we are always one fused, sync-free kernel, so foreach/fused/
+    capturable are accepted (the result is the same); differentiable needs autograd through step()."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value not in (None, True, False):
+            raise ValueError(f"Invalid {name}: expected None, True or False, got {value!r}")
+    if capturable not in (True, False):
+        raise ValueError(f"Invalid capturable: expected True or False, got {capturable!r}")
+    if differentiable not in (True, False):
+        raise ValueError(f"Invalid differentiable: expected True or False, got {differentiable!r}")
+    if differentiable:
+        raise NotImplementedError("differentiable=True is not supported by the fused optimizers: their step() is "
+                                  "an in-place kernel that autograd cannot differentiate through")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 class FusedOptimizer(Optimizer):
@@ -41,9 +96,36 @@ class FusedOptimizer(Optimizer):
     # torch.amp.GradScaler then hands the scale and found_inf to step() instead of unscaling the grads.
     _step_supports_amp_scaling = True
     _state_float_keys: tuple[str, ...] = ()
+    # Group keys that define the algorithm: kept from this optimizer when a state dict is loaded.
+    _class_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, then our checks of the new group: its hyperparameters, and no param
+        listed twice (torch only warns for that; one fused pass cannot update one tensor twice, so we raise)."""
+        index = len(self.param_groups)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
+        group = self.param_groups[index]
+        try:
+            seen: dict[int, int] = {}
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    raise ValueError(
+                        f"optimizer contains a parameter group with duplicate parameters: param {i} of param group "
+                        f"{index} is param {seen[id(p)]} again (a fused step updates each tensor once)")
+                seen[id(p)] = i
+            self._check_group(group, f" (param group {index})")
+        except Exception:
+            self.param_groups.pop(index)
+            raise
+
+    def _check_group(self, group: dict, where: str) -> None:
+        """Raises for an invalid hyperparameter of ``group``; ``where`` ends the message."""
+        raise NotImplementedError
 
     # ---- state --------------------------------------------------------------------------------------
     def _wants_master(self, group: dict, p: torch.Tensor) -> bool:
@@ -53,7 +135,9 @@ class FusedOptimizer(Optimizer):
         return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
-        state = self.state[p]
+        state = self.state.get(p)
+        if state is None:
+            state = {}
         if not state:
             self._init_state(group, p, state)
         if self._wants_master(group, p) and "master_param" not in state:
@@ -61,6 +145,8 @@ class FusedOptimizer(Optimizer):
         if not self._wants_master(group, p):
             state.pop("master_param", None)
         self._complete_state(group, p, state)
+        if state:  # no empty entries (SGD without momentum keeps no state, like torch)
+            self.state[p] = state
         return state
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
@@ -71,8 +157,11 @@ class FusedOptimizer(Optimizer):
 
     # ---- validation (before anything is written) ----------------------------------------------------
     @staticmethod
-    def _check_param(i: int, p: torch.Tensor) -> None:
-        where = f"param {i} of its group"
+    def _check_param(where: str, p: torch.Tensor) -> None:
+        if not is_plain_tensor(p) or not is_plain_tensor(p.grad):
+            bad = p if not is_plain_tensor(p) else p.grad
+            raise TypeError(f"{where}: the fused optimizers take plain tensors, got a {type(bad).__name__} "
+                            f"{'param' if bad is p else 'grad'} (a tensor subclass such as DTensor)")
         if p.is_complex() or not p.is_floating_point():
             raise ValueError(f"{where}: the fused optimizers update float32/float16/bfloat16 params, got {p.dtype}")
         if p.dtype not in SUPPORTED_DTYPES:
@@ -106,12 +195,15 @@ class FusedOptimizer(Optimizer):
         inv_scale = getattr(self, "_mpf_inv_scale", None)
         clip = getattr(self, "_mpf_clip", None)
 
+        # Everything is checked before anything (state included) is created or written.
         work = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            for i, p in enumerate(params):
-                self._check_param(i, p)
-            check_lr(group["lr"])
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f" (param group {gi})")
+            params = []
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    self._check_param(f"param {i} of param group {gi}", p)
+                    params.append(p)
             work.append((group, params))
 
         per_device: dict[torch.device, tuple] = {}
@@ -131,6 +223,7 @@ class FusedOptimizer(Optimizer):
                 )
             return per_device[device]
 
+        written: dict[torch.device, list] = {}
         for group, params in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
@@ -143,7 +236,30 @@ class FusedOptimizer(Optimizer):
                 if isinstance(lr, torch.Tensor):
                     lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
                 self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device))
+                written.setdefault(device, []).extend(p.grad for p in ps)
+        for device, grads in written.items():
+            self._write_used_grads(grads, *device_scalars(device))
         return loss
+
+    @staticmethod
+    def _write_used_grads(grads, unscale: dict, clip, found_inf) -> None:
+        """Leaves in p.grad the gradient the update used (unscaled, clipped), as torch's fused optimizers
+        do; on a skipped step (found_inf != 0) the factors are 1 and the grads stay as they were. Sync-free
+        (the factors stay on the device), in the kernel's order of rounding: (g * inv) * clip.
+        TODO: fold this write into the update kernel (one pass instead of up to three)."""
+        factors = []
+        if "inv_scale" in unscale:
+            factors.append(unscale["inv_scale"].reshape(()).to(torch.float32))
+        elif "grad_scale" in unscale:
+            factors.append((1.0 / unscale["grad_scale"].reshape(()).double()).float())
+        if clip is not None:
+            coef = clip[1] / (clip[0].reshape(()).float().sqrt() + 1e-6)
+            factors.append(torch.where(coef >= 1.0, torch.ones_like(coef), coef))
+        for f in factors:
+            if found_inf is not None:
+                f = torch.where(found_inf.reshape(()) != 0, torch.ones_like(f), f)
+            for dtype in {g.dtype for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], f)
 
     def _counter(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
@@ -194,6 +310,10 @@ class FusedOptimizer(Optimizer):
         for g, sg in zip(groups, saved_groups):
             ng = dict(sg)
             ng["params"] = g["params"]
+            if "param_names" in g and "param_names" not in ng:
+                ng["param_names"] = g["param_names"]
+            for key in self._class_keys:  # the algorithm comes from the class, not from the file
+                ng[key] = g[key]
             for key, value in self.defaults.items():
                 ng.setdefault(key, value)
             new_groups.append(ng)

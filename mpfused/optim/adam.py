@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ._base import FusedOptimizer, check_lr, check_number
+from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, scalar
 
 
 class FusedAdam(FusedOptimizer):
@@ -21,23 +21,35 @@ class FusedAdam(FusedOptimizer):
     """
 
     _state_float_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+    _class_keys = ("decoupled_weight_decay",)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize: bool = False, master_weights: Optional[bool] = None,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, master_weights: Optional[bool] = None,
                  decoupled_weight_decay: bool = False) -> None:
-        check_lr(lr)
-        check_number("epsilon value", eps, 0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: expected a pair, got {betas!r}")
-        check_number("beta parameter at index 0", betas[0], 0.0, 1.0, hi_open=True)
-        check_number("beta parameter at index 1", betas[1], 0.0, 1.0, hi_open=True)
-        check_number("weight_decay value", weight_decay, 0.0)
+        check_common_kwargs(foreach, fused, capturable, differentiable)
         if master_weights not in (None, True, False):
             raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
-                        maximize=bool(maximize), foreach=None, capturable=False, differentiable=False, fused=None,
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            betas = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else b for b in betas)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
+                        maximize=bool(maximize), foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=bool(decoupled_weight_decay), master_weights=master_weights)
+        self._check_group(defaults, "")
         super().__init__(params, defaults)
+
+    def _check_group(self, group, where) -> None:
+        check_lr(group["lr"], where)
+        check_number("epsilon value", group["eps"], where=where)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas: expected a pair, got {betas!r}{where}")
+        for i, b in enumerate(betas):
+            check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=True, where=where)
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError(f"betas must be either both floats or both Tensors{where}")
+        check_number("weight_decay value", group["weight_decay"], where=where)
 
     def _init_state(self, group, p, state) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -54,7 +66,7 @@ class FusedAdam(FusedOptimizer):
             state["max_exp_avg_sq"] = self._fp32_zeros(p)
 
     def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = (scalar(b) for b in group["betas"])
         _ops.adam_step_(
             params, grads,
             [s.get("master_param") for s in states],

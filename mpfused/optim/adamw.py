@@ -11,6 +11,9 @@ class FusedAdamW(FusedAdam):
     """Drop-in for ``torch.optim.AdamW``: FusedAdam with decoupled weight decay, default 1e-2."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize: bool = False, master_weights: Optional[bool] = None) -> None:
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 master_weights: Optional[bool] = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, master_weights=master_weights, decoupled_weight_decay=True)
+                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, master_weights=master_weights, decoupled_weight_decay=True)

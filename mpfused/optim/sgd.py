@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
 
 from .. import _ops
-from ._base import FusedOptimizer, check_lr, check_number
+from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, scalar
 
 
 class FusedSGD(FusedOptimizer):
@@ -19,19 +21,37 @@ class FusedSGD(FusedOptimizer):
     _state_float_keys = ("momentum_buffer", "master_param")
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize: bool = False, master_weights: Optional[bool] = None) -> None:
-        check_lr(lr)
-        check_number("momentum value", momentum, 0.0)
-        check_number("dampening value", dampening, -float("inf"))
-        check_number("weight_decay value", weight_decay, 0.0)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+                 maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
+                 fused: Optional[bool] = None, master_weights: Optional[bool] = None) -> None:
+        check_common_kwargs(foreach, fused, False, differentiable)
         if master_weights not in (None, True, False):
             raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
+        if isinstance(weight_decay, torch.Tensor) and weight_decay.dim():
+            weight_decay = weight_decay.squeeze()
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=None, differentiable=False,
-                        fused=None, master_weights=master_weights)
+                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach,
+                        differentiable=differentiable, fused=fused, master_weights=master_weights)
+        self._check_group(defaults, "")
         super().__init__(params, defaults)
+
+    def _check_group(self, group, where) -> None:
+        check_lr(group["lr"], where)
+        check_number("momentum value", group["momentum"], where=where)
+        check_number("dampening value", group["dampening"], -math.inf, where=where)
+        check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening" + where)
+
+    def state_dict(self) -> dict:
+        """A momentum buffer that no step has written yet (``step`` 0: the first steps were skipped) is
+        saved as None, which is how torch.optim.SGD reads "unset"; our zeros would be read as a buffer."""
+        sd = super().state_dict()
+        for k, st in list(sd["state"].items()):
+            if st.get("momentum_buffer") is not None and "step" in st and float(st["step"]) == 0:
+                st = dict(st)
+                st["momentum_buffer"] = None
+                sd["state"][k] = st
+        return sd
 
     def _init_state(self, group, p, state) -> None:
         self._complete_state(group, p, state)
@@ -52,7 +72,7 @@ class FusedSGD(FusedOptimizer):
             [s.get("master_param") for s in states],
             [s["momentum_buffer"] for s in states] if momentum else [],
             [s["step"] for s in states] if momentum else [],
-            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
+            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=scalar(group["weight_decay"]),
             nesterov=group["nesterov"], maximize=group["maximize"],
             clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
             found_inf=found_inf, counter=counter, **unscale,

@@ -1,0 +1,420 @@
+"""torch's optimizer tests ported (in our own words): the OptimizerInfo configurations of Adam, AdamW and SGD
+stepped side by side with torch.optim, and the generic Optimizer behaviours (state dicts, hooks, zero_grad,
+add_param_group, deepcopy/pickle, printing), each run on torch's optimizer and ours with the same assertions."""
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from tolerances import OPTIM_FP32_ATOL
+
+PAIRS = {"adam": (FusedAdam, torch.optim.Adam), "adamw": (FusedAdamW, torch.optim.AdamW),
+         "sgd": (FusedSGD, torch.optim.SGD)}
+
+# The kwargs of torch's optim_inputs_func_adam / _adamw / _sgd (common_optimizers.py), as our own table.
+ADAM_CONFIGS = [
+    {}, dict(lr=0.01), dict(lr=torch.tensor(0.001)), dict(lr=torch.tensor([0.001])),
+    dict(betas=(torch.tensor(0.9), torch.tensor(0.99))), dict(betas=(torch.tensor([0.9]), torch.tensor([0.99]))),
+    dict(weight_decay=0.1), dict(weight_decay=0.1, maximize=True), dict(weight_decay=0.1, amsgrad=True),
+    dict(amsgrad=True), dict(capturable=True), dict(capturable=True, amsgrad=True), dict(foreach=False),
+    dict(foreach=True), dict(fused=True), dict(lr=np.float32(0.01), eps=np.float64(1e-6)),
+]
+SGD_CONFIGS = [
+    {}, dict(lr=0.01), dict(lr=torch.tensor(0.001)), dict(momentum=0.9), dict(momentum=0.9, dampening=0.5),
+    dict(momentum=0.9, weight_decay=0.1), dict(momentum=0.9, nesterov=True, weight_decay=0.1),
+    dict(weight_decay=0.1, maximize=True), dict(weight_decay=torch.tensor(0.1)),
+    dict(momentum=np.float64(0.9), lr=np.float32(0.02)), dict(foreach=False), dict(fused=True),
+]
+CONFIGS = ([("adam", c) for c in ADAM_CONFIGS] + [("adamw", c) for c in ADAM_CONFIGS]
+           + [("sgd", c) for c in SGD_CONFIGS])
+
+
+def config_id(c):
+    name, kw = c
+    return name + "-" + (",".join(f"{k}={type(v).__name__ if not isinstance(v, (bool, int, float)) else v}"
+                                  for k, v in kw.items()) or "default")
+
+
+def torch_kwargs(kw):
+    # torch runs its single-tensor reference: no foreach/fused/capturable choice, no numpy scalars in betas.
+    kw = {k: v for k, v in kw.items() if k not in ("foreach", "fused", "capturable")}
+    return dict(kw, foreach=False)
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(7, 5, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_(),
+            torch.randn(3, 4, 2, generator=g).requires_grad_()]
+
+
+def two_groups(params, extra):
+    return [dict(params=params[:2]), dict(params=params[2:], **extra)]
+
+
+def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None):
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = make_params(), make_params()
+    if group_extra is not None:
+        opt_a, opt_b = ours_cls(two_groups(a, group_extra), **ours_kw), theirs_cls(two_groups(b, group_extra), **theirs_kw)
+    else:
+        opt_a, opt_b = ours_cls(a, **ours_kw), theirs_cls(b, **theirs_kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for pa, pb in zip(a, b):
+            grad = torch.randn(pa.shape, generator=g)
+            pa.grad, pb.grad = grad.clone(), grad.clone()
+        opt_a.step()
+        opt_b.step()
+        for pa, pb in zip(a, b):
+            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+    return opt_a, opt_b
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config_id(c) for c in CONFIGS])
+def test_torch_optimizer_configuration_matches_torch_step_by_step(config):
+    name, kw = config
+    step_side_by_side(name, kw, torch_kwargs(kw))
+
+
+@pytest.mark.parametrize("name,extra", [("adam", dict(lr=0.02, betas=(0.5, 0.9), weight_decay=0.3, amsgrad=True)),
+                                        ("adamw", dict(lr=0.05, eps=1e-3, maximize=True)),
+                                        ("sgd", dict(lr=0.1, momentum=0.5, dampening=0.2, weight_decay=0.01))])
+def test_param_groups_with_different_hyperparameters_match_torch(name, extra):
+    step_side_by_side(name, {}, dict(foreach=False), group_extra=extra)
+
+
+# ---- generic Optimizer behaviour, same assertions on torch's optimizer and ours ---------------------------
+BOTH = [pytest.param(i, name, id=f"{'torch' if i else 'ours'}-{name}") for name in PAIRS for i in (0, 1)]
+
+
+def build(which, name, params, **kw):
+    cls = PAIRS[name][which]
+    if name == "sgd":
+        kw.setdefault("momentum", 0.9)
+        kw.setdefault("dampening", 0.1)
+    return cls(params, lr=0.01, **kw)
+
+
+def fill_grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def step_both(opt_a, a, opt_b, b, seeds, atol=OPTIM_FP32_ATOL):
+    """Same grads for both, one step each, params compared (atol 0: bitwise)."""
+    for s in seeds:
+        fill_grads(a, s)
+        fill_grads(b, s)
+        opt_a.step()
+        opt_b.step()
+        for pa, pb in zip(a, b):
+            torch.testing.assert_close(pb, pa, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_state_dict_round_trip_then_identical_steps(which, name):
+    a = make_params()
+    opt = build(which, name, a)
+    for s in range(3):
+        fill_grads(a, s)
+        opt.step()
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt2 = build(which, name, b)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    step_both(opt, a, opt2, b, range(3, 6), atol=0.0)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_torch_state_dict_loads_and_steps_like_torch(name):
+    a, b = make_params(), make_params()
+    theirs, ours = build(1, name, a), build(0, name, b)
+    for s in range(2):
+        fill_grads(a, s)
+        theirs.step()
+    with torch.no_grad():
+        for pa, pb in zip(a, b):
+            pb.copy_(pa)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    step_both(theirs, a, ours, b, range(2, 5))
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_param_names_survive_state_dict_round_trip(which, name):
+    model = torch.nn.Linear(3, 2)
+    opt = build(which, name, model.named_parameters())
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["weight", "bias"]
+    opt2 = build(which, name, torch.nn.Linear(3, 2).named_parameters())
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["param_names"] == ["weight", "bias"]
+    # A dict saved without names keeps the names this optimizer was built with.
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["param_names"]
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["param_names"] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_step_and_state_dict_hooks_run(which, name):
+    p = make_params()
+    opt = build(which, name, p)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd-pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd-post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load-pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    fill_grads(p, 0)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post", "sd-pre", "sd-post", "load-pre", "load-post"]
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(which, name, set_to_none):
+    p = make_params()
+    opt = build(which, name, p)
+    fill_grads(p, 0)
+    opt.zero_grad(set_to_none=set_to_none)
+    for q in p:
+        assert (q.grad is None) if set_to_none else torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_add_param_group_and_its_errors(which, name):
+    p = make_params()
+    opt = build(which, name, p[:2])
+    opt.add_param_group(dict(params=[p[2]], lr=0.5))
+    assert opt.param_groups[1]["lr"] == 0.5 and len(opt.param_groups) == 2
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group(dict(params=[p[0]]))
+    with pytest.raises(TypeError):
+        opt.add_param_group([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match="all optimizer param groups should be with/without names"):
+        opt.add_param_group(dict(params=[("x", torch.zeros(2, requires_grad=True))]))
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_deepcopy_and_pickle_keep_state_and_step_alike(which, name):
+    p = make_params()
+    opt = build(which, name, p)
+    fill_grads(p, 0)
+    opt.step()
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert len(clone.state) == len(opt.state)
+        cp = [q for g in clone.param_groups for q in g["params"]]
+        fill_grads(cp, 1)
+        clone.step()
+    fill_grads(p, 1)
+    opt.step()
+    for q, r in zip(p, cp):
+        assert torch.equal(q, r)
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_step_without_grads_is_a_no_op(which, name):
+    p = make_params()
+    opt = build(which, name, p)
+    before = [q.detach().clone() for q in p]
+    opt.step()
+    assert all(torch.equal(q, r) for q, r in zip(p, before))
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_printing_lists_groups_and_hyperparameters(which, name):
+    text = repr(build(which, name, make_params()))
+    assert "Parameter Group 0" in text and "lr: 0.01" in text
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_sgd_without_momentum_keeps_no_state(which):
+    p = make_params()
+    opt = PAIRS["sgd"][which](p, lr=0.1)
+    fill_grads(p, 0)
+    opt.step()
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("saved", [0, 1])
+def test_adamw_stays_adamw_after_loading_an_adam_state_dict(saved):
+    p, q = make_params(), make_params()
+    source = (FusedAdam if saved == 0 else torch.optim.Adam)(p, lr=0.01, weight_decay=0.5)
+    fill_grads(p, 0)
+    source.step()
+    opt = FusedAdamW(q, lr=0.01, weight_decay=0.5)
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    ref = torch.optim.AdamW(make_params(), lr=0.01, weight_decay=0.5, foreach=False)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    with torch.no_grad():
+        for a, b in zip(q, ref.param_groups[0]["params"]):
+            b.copy_(a)
+    fill_grads(q, 1)
+    fill_grads(ref.param_groups[0]["params"], 1)
+    opt.step()
+    ref.step()
+    for a, b in zip(q, ref.param_groups[0]["params"]):
+        torch.testing.assert_close(a, b, atol=OPTIM_FP32_ATOL, rtol=0)
+
+
+def test_sgd_dampening_state_after_a_skipped_first_step_loads_right_in_torch():
+    p = make_params()
+    opt = FusedSGD(p, lr=0.1, momentum=0.9, dampening=0.5)
+    fill_grads(p, 0)
+    opt.found_inf = torch.ones(())  # the scaler skips the first step
+    opt.grad_scale = torch.ones(())
+    opt.step()
+    del opt.found_inf, opt.grad_scale
+    sd = opt.state_dict()
+    assert all(st["momentum_buffer"] is None for st in sd["state"].values())
+    # Our own optimizer's state is untouched by saving.
+    assert all(st["momentum_buffer"] is not None for st in opt.state.values())
+    q = [x.detach().clone().requires_grad_() for x in p]
+    ref = torch.optim.SGD(q, lr=0.1, momentum=0.9, dampening=0.5, foreach=False)
+    ref.load_state_dict(sd)
+    step_both(ref, q, opt, p, (1, 2))
+
+
+# ---- arguments: torch's texts, accepted kwargs, what we reject ---------------------------------------------
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("name,kw,text", [
+    ("adam", dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    ("adam", dict(eps=-1.0), "Invalid epsilon value: -1.0"),
+    ("adam", dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
+    ("adam", dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1: -0.1"),
+    ("adamw", dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    ("adam", dict(lr=torch.tensor([0.1, 0.2])), "Tensor lr must be 1-element"),
+    ("sgd", dict(momentum=-0.5), "Invalid momentum value: -0.5"),
+    ("sgd", dict(weight_decay=-1.0), "Invalid weight_decay value: -1.0"),
+    ("sgd", dict(momentum=0.0, nesterov=True), "Nesterov momentum requires a momentum and zero dampening"),
+])
+def test_invalid_values_give_torchs_error_texts(which, name, kw, text):
+    with pytest.raises(ValueError, match="^" + text.replace("(", r"\(").replace(".", r"\.")):
+        PAIRS[name][which](make_params(), **kw)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_differentiable_is_refused_clearly(name):
+    with pytest.raises(NotImplementedError, match="differentiable=True"):
+        PAIRS[name][0](make_params(), differentiable=True)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_duplicate_params_are_rejected_at_construction_and_in_add_param_group(name):
+    # Deliberate difference: torch only warns for a duplicate inside one group; one fused pass cannot
+    # update a tensor twice.
+    p = make_params()
+    with pytest.raises(ValueError, match="param 2 of param group 0 is param 0 again"):
+        PAIRS[name][0]([p[0], p[1], p[0]])
+    opt = PAIRS[name][0]([p[0]])
+    with pytest.raises(ValueError, match="param 1 of param group 1 is param 0 again"):
+        opt.add_param_group(dict(params=[p[1], p[1]]))
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name,bad,text", [("adam", dict(betas=(0.9, 1.5)), "beta parameter at index 1"),
+                                           ("sgd", dict(momentum=-1.0), "momentum value"),
+                                           ("adamw", dict(lr=-0.1), "learning rate")])
+def test_an_invalid_later_group_fails_the_step_before_anything_is_written(name, bad, text):
+    p = make_params()
+    opt = PAIRS[name][0](two_groups(p, {}), lr=0.01)
+    opt.param_groups[1].update(bad)
+    fill_grads(p, 0)
+    before = [q.detach().clone() for q in p]
+    with pytest.raises(ValueError, match=f"Invalid {text}.*param group 1"):
+        opt.step()
+    assert all(torch.equal(q, r) for q, r in zip(p, before)) and len(opt.state) == 0
+
+
+def test_a_bad_param_is_named_by_its_index_in_the_groups_params_list():
+    p = make_params()
+    bad = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    bad.grad = torch.ones(3, dtype=torch.float64)
+    opt = FusedAdam([dict(params=p[:2]), dict(params=[bad])])
+    fill_grads(p[:2], 0)
+    with pytest.raises(ValueError, match="param 0 of param group 1"):
+        opt.step()
+    # The index counts every param of the group, those without grads too.
+    opt2 = FusedAdam([dict(params=[p[2], bad])])
+    with pytest.raises(ValueError, match="param 1 of param group 0"):
+        opt2.step()
+    assert len(opt.state) == 0 and len(opt2.state) == 0
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_tensor_subclass_raises_type_error_in_python_before_state_is_created(name):
+    p = make_params()
+    sub = torch.nn.Parameter(TwoTensor(torch.zeros(4), torch.zeros(4)))
+    opt = PAIRS[name][0]([dict(params=p[:1]), dict(params=[p[1], sub])], lr=0.1, **(dict(momentum=0.9) if name == "sgd" else {}))
+    fill_grads(p[:2], 0)
+    sub.grad = TwoTensor(torch.ones(4), torch.ones(4))
+    before = p[0].detach().clone()
+    with pytest.raises(TypeError, match="param 1 of param group 1.*TwoTensor"):
+        opt.step()
+    assert torch.equal(p[0], before) and len(opt.state) == 0
+
+
+def test_tensor_hyperparameters_on_the_host_only():
+    # betas / SGD weight_decay tensors are read on the host in step(): CPU tensors only (a CUDA one would sync).
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        FusedAdam(make_params(), betas=(torch.tensor(0.9), 0.99))
+    with pytest.raises(ValueError, match="Tensor beta parameter at index 0 must be 1-element"):
+        FusedAdam(make_params(), betas=(torch.tensor([0.9, 0.8]), torch.tensor(0.99)))
+    meta = torch.tensor(0.1, device="meta")
+    with pytest.raises(NotImplementedError, match="weight_decay as a meta tensor"):
+        FusedSGD(make_params(), weight_decay=meta)
+
+
+# ---- grads after scaler.step: what the update used, as torch's fused optimizers leave them ---------------
+@pytest.mark.parametrize("name", PAIRS)
+def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name):
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = make_params(), make_params()
+    ours, theirs = ours_cls(a, lr=0.01), theirs_cls(b, lr=0.01, fused=True)
+    sa, sb = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s, poison in ((0, False), (1, True), (2, False)):
+        sa.scale(torch.ones(()))  # the scalers start their scale; the grads below stand for scaled ones
+        sb.scale(torch.ones(()))
+        fill_grads(a, s)
+        fill_grads(b, s)
+        if poison:  # an overflow: the step is skipped and the grads stay as they were
+            a[1].grad[0] = b[1].grad[0] = float("inf")
+        before = [p.grad.clone() for p in a]
+        sa.step(ours)
+        sb.step(theirs)
+        sa.update()
+        sb.update()
+        for pa, pb, g0 in zip(a, b, before):
+            torch.testing.assert_close(pa.grad, pb.grad, atol=0, rtol=0)
+            assert torch.equal(pa.grad, g0) == poison
+            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_grads_after_a_clipping_mpfused_scaler_step_are_unscaled_and_clipped(name):
+    import mpfused
+    p = make_params()
+    opt = PAIRS[name][0](p, lr=0.01)
+    scaler = mpfused.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(torch.ones(()))
+    fill_grads(p, 0)
+    unscaled = [q.grad / 256.0 for q in p]
+    norm = torch.linalg.vector_norm(torch.cat([u.flatten() for u in unscaled]))
+    assert norm > 0.01  # the clip below is active
+    expected = [u * (0.01 / (norm + 1e-6)) for u in unscaled]
+    scaler.clip_grad_norm_(opt, max_norm=0.01)
+    scaler.step(opt)
+    for q, e in zip(p, expected):
+        torch.testing.assert_close(q.grad, e, atol=OPTIM_FP32_ATOL, rtol=0)
