@@ -308,7 +308,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
                 const std::optional<at::Tensor>& clip_sumsq, double max_norm,
                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& counter) {
+                const std::optional<at::Tensor>& counter, bool write_grad) {
   check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
   check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, "eps", 0.0, false, INFINITY, false);
@@ -326,6 +326,7 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
   a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
   fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
+  a.write_grad = write_grad;
   run_optim(a, device);
 }
 
@@ -335,7 +336,7 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
                bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
                const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& clip_sumsq,
                double max_norm, const std::optional<at::Tensor>& found_inf,
-               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& counter) {
+               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& counter, bool write_grad) {
   check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
   check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
   check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
@@ -354,6 +355,7 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
   a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
   fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
+  a.write_grad = write_grad;
   run_optim(a, device);
 }
 

@@ -56,7 +56,7 @@ enum class OptimKind : int32_t { kAdam = 0, kSgd = 1 };
 
 struct OptimTensor {
   void* param;        // the model's weight, FP32/FP16/BF16: written (rounded from the FP32 result)
-  const void* grad;   // read only, same dtype and numel as param
+  void* grad;         // same dtype and numel as param; read, and written when OptimArgs::write_grad
   float* master;      // FP32 master weight, or nullptr: then param is read, updated in FP32, written back
   float* state0;      // Adam: exp_avg; SGD: momentum_buffer (nullptr without momentum)
   float* state1;      // Adam: exp_avg_sq
@@ -82,6 +82,9 @@ struct OptimArgs {
   const float* clip_sumsq;     // nullptr, or one float: the gradients' sum of squares; then also
   float max_norm;              //   multiplied by clip_coefficient(*clip_sumsq, max_norm) (core/optim.h)
   const float* found_inf;      // nullptr, or one float: != 0 skips the whole step (nothing is written)
+  bool write_grad;             // a taken step writes the gradient it used (times the unscale factor and
+                               //   the clip coefficient, before maximize's sign) back into grad, as
+                               //   torch's fused optimizers do; a skipped step writes nothing
   unsigned int* counter;       // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed:
                                //   then the step counters are incremented by the update launch's last
                                //   block instead of a second launch; one stream at a time

@@ -122,7 +122,7 @@ def _lr_args(lr):
 
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
-               max_norm=0.0, found_inf=None, grad_scale=None, counter=None) -> None:
+               max_norm=0.0, found_inf=None, grad_scale=None, counter=None, write_grad=False) -> None:
     """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
     gradient times ``inv_scale`` (or ``1 / grad_scale``, computed on the device) and ``clip_coef``, the update of the FP32 weight (``masters[i]`` when
     given, else the param itself) and FP32 moments, and the param stored in its dtype. When
@@ -131,22 +131,25 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, s
     ``min(1, max_norm / (sqrt(clip_sumsq) + 1e-6))``, computed in the kernel. ``lr`` is a float or a one-element float32
     tensor on the device. ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA
     update's last block increments the step counters, so the step is one launch per group instead of two.
-    Validates everything before writing anything."""
+    ``write_grad``: a taken step also writes the gradient it used (times the unscale factor and the clip
+    coefficient) back into ``grads``, as torch's fused optimizers leave p.grad unscaled; a skipped step
+    leaves them as they were. Validates everything before writing anything."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
                   float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
-                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale, counter)
+                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale, counter,
+                  bool(write_grad))
 
 
 def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
               maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None,
-              grad_scale=None, counter=None) -> None:
+              grad_scale=None, counter=None, write_grad=False) -> None:
     """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
     never written (torch then sets it to the gradient itself)."""
     lr_value, lr_tensor = _lr_args(lr)
     _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
                  float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef,
-                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter)
+                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter, bool(write_grad))
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,

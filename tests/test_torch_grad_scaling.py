@@ -245,8 +245,6 @@ def test_scaling_multiple_models_optimizers_losses(device, scaler_cls, optimizer
             torch.testing.assert_close(s, c, atol=SCALED_RUN_ATOL, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the fused optimizers to write the unscaled (clipped) gradient back "
-                                       "into p.grad, as torch's fused optimizers do (the optimizer branch)")
 @pytest.mark.parametrize("ctor", [FusedSGD, FusedAdam, FusedAdamW], ids=lambda c: c.__name__)
 def test_fused_optimizers_leave_unscaled_grads(device, ctor):
     check_case(device, functools.partial(mpfused.GradScaler, device), (ctor, {}), run_plain, unskipped=3, skipped=1,

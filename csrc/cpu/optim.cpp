@@ -24,6 +24,7 @@ struct StepConsts {
   const AdamScalars* adam;  // per tensor
   const SgdScalars* sgd;
   const uint8_t* first_step;  // per tensor (SGD momentum)
+  bool write_grad;  // store the gradient used (unscaled, clipped) back into grad
 };
 
 #define MPF_CPU_IMPL_FILE "optim_impl.inc"
@@ -57,7 +58,7 @@ void optim_step_cpu(const OptimArgs& a, int num_threads) {
 
   float clip = a.clip_coef ? *a.clip_coef : 1.f;
   if (a.clip_sumsq) clip = fmul(clip, clip_coefficient(*a.clip_sumsq, a.max_norm));
-  const StepConsts consts{unscale_factor(a.inv_scale, a.grad_scale), clip, adam.data(), sgd.data(), first.data()};
+  const StepConsts consts{unscale_factor(a.inv_scale, a.grad_scale), clip, adam.data(), sgd.data(), first.data(), a.write_grad};
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
   auto go = [&](auto kind) {
     constexpr OptimKind K = decltype(kind)::value;

@@ -28,7 +28,7 @@ constexpr int kMaxSteps = 3900;  // step pointers per increment launch
 
 struct OptimLaunch {
   void* param[kMaxTensors];
-  const void* grad[kMaxTensors];
+  void* grad[kMaxTensors];
   float* master[kMaxTensors];
   float* state0[kMaxTensors];
   float* state1[kMaxTensors];
@@ -51,6 +51,7 @@ struct OptimConsts {
   const float* clip_sumsq;
   float max_norm;
   const float* found_inf;
+  bool write_grad;
   unsigned int* counter;
 };
 static_assert(kChunk % kVec == 0, "chunks must keep vector alignment");
@@ -90,7 +91,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   using S = Storage<D>;
   using T = typename S::type;
   T* param = static_cast<T*>(a.param[slot]) + begin;
-  const T* grad = static_cast<const T*>(a.grad[slot]) + begin;
+  T* grad = static_cast<T*>(a.grad[slot]) + begin;
   float* master = a.master[slot] ? a.master[slot] + begin : nullptr;
   float* s0 = a.state0[slot] ? a.state0[slot] + begin : nullptr;
   float* s1 = a.state1[slot] ? a.state1[slot] + begin : nullptr;
@@ -116,11 +117,14 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       if (has_s0) m0 = *reinterpret_cast<const Pack<float, kVec>*>(s0 + i);
       if (has_s1) m1 = *reinterpret_cast<const Pack<float, kVec>*>(s1 + i);
       if (has_s2) m2 = *reinterpret_cast<const Pack<float, kVec>*>(s2 + i);
+      Pack<T, kVec> used;  // the gradient the update used, for write_grad
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float g = fmul(fmul(S::load(gv.v[e]), gmul), clip);
+        used.v[e] = S::store(g);
         update<K>(pv.v[e], m0.v[e], m1.v[e], m2.v[e], g, c, ts);
       }
+      if (c.write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
       Pack<T, kVec> out;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) out.v[e] = S::store(pv.v[e]);
@@ -133,6 +137,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   }
   for (int64_t i = head + threadIdx.x; i < n; i += kThreads) {
     const float g = fmul(fmul(S::load(grad[i]), gmul), clip);
+    if (c.write_grad) grad[i] = S::store(g);
     float p = master ? master[i] : S::load(param[i]);
     float x0 = has_s0 ? s0[i] : 0.f, x1 = has_s1 ? s1[i] : 0.f, x2 = has_s2 ? s2[i] : 0.f;
     update<K>(p, x0, x1, x2, g, c, ts);
@@ -205,7 +210,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
   const OptimConsts consts{a.adam,      a.sgd,      a.lr,         a.lr_ptr,   a.inv_scale, a.grad_scale,
-                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf, a.counter};
+                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf, a.write_grad, a.counter};
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {

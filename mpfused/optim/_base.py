@@ -223,7 +223,6 @@ class FusedOptimizer(Optimizer):
                 )
             return per_device[device]
 
-        written: dict[torch.device, list] = {}
         for group, params in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
@@ -235,31 +234,17 @@ class FusedOptimizer(Optimizer):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
                     lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
-                self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device))
-                written.setdefault(device, []).extend(p.grad for p in ps)
-        for device, grads in written.items():
-            self._write_used_grads(grads, *device_scalars(device))
+                # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped),
+                # as torch's fused optimizers do: the kernel writes it in the same pass. A skipped step
+                # writes nothing.
+                write_grad = bool(inv) or clip is not None
+                self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device),
+                                 write_grad=write_grad)
+                if write_grad:
+                    for p, g in zip(ps, grads):
+                        if g is not p.grad:  # a strided grad went through a contiguous copy
+                            p.grad.copy_(g)
         return loss
-
-    @staticmethod
-    def _write_used_grads(grads, unscale: dict, clip, found_inf) -> None:
-        """Leaves in p.grad the gradient the update used (unscaled, clipped), as torch's fused optimizers
-        do; on a skipped step (found_inf != 0) the factors are 1 and the grads stay as they were. Sync-free
-        (the factors stay on the device), in the kernel's order of rounding: (g * inv) * clip.
-        TODO: fold this write into the update kernel (one pass instead of up to three)."""
-        factors = []
-        if "inv_scale" in unscale:
-            factors.append(unscale["inv_scale"].reshape(()).to(torch.float32))
-        elif "grad_scale" in unscale:
-            factors.append((1.0 / unscale["grad_scale"].reshape(()).double()).float())
-        if clip is not None:
-            coef = clip[1] / (clip[0].reshape(()).float().sqrt() + 1e-6)
-            factors.append(torch.where(coef >= 1.0, torch.ones_like(coef), coef))
-        for f in factors:
-            if found_inf is not None:
-                f = torch.where(found_inf.reshape(()) != 0, torch.ones_like(f), f)
-            for dtype in {g.dtype for g in grads}:
-                torch._foreach_mul_([g for g in grads if g.dtype == dtype], f)
 
     def _counter(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
@@ -269,7 +254,8 @@ class FusedOptimizer(Optimizer):
             counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return counters[device]
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
+                    write_grad: bool = False) -> None:
         """unscale: {} or {"inv_scale": t} or {"grad_scale": t}; clip: None or (sum of squares, max_norm);
         counter: see _counter()."""
         raise NotImplementedError

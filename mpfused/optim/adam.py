@@ -65,7 +65,8 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._fp32_zeros(p)
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
+                    write_grad: bool = False) -> None:
         beta1, beta2 = (scalar(b) for b in group["betas"])
         _ops.adam_step_(
             params, grads,
@@ -77,5 +78,5 @@ class FusedAdam(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled=group["decoupled_weight_decay"],
             clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
-            found_inf=found_inf, counter=counter, **unscale,
+            found_inf=found_inf, counter=counter, write_grad=write_grad, **unscale,
         )

@@ -65,7 +65,8 @@ class FusedSGD(FusedOptimizer):
                 # A buffer loaded from torch.optim.SGD has been written: the next step is not the first.
                 state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter) -> None:
+    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
+                    write_grad: bool = False) -> None:
         momentum = group["momentum"] != 0
         _ops.sgd_step_(
             params, grads,
@@ -75,5 +76,5 @@ class FusedSGD(FusedOptimizer):
             lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=scalar(group["weight_decay"]),
             nesterov=group["nesterov"], maximize=group["maximize"],
             clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
-            found_inf=found_inf, counter=counter, **unscale,
+            found_inf=found_inf, counter=counter, write_grad=write_grad, **unscale,
         )
