@@ -44,9 +44,11 @@ the harness's copy roof, measured interleaved with the section):
 
 - FP32 AdamW / Adam: param read + write 8, grad read 4, exp_avg read + write 8, exp_avg_sq read + write 8 = 28.
 - FP32 SGD with momentum: param 8, grad 4, momentum buffer 8 = 20.
-- AdamW O2: 28 (FP32 master read + write 8, FP16/BF16 grad read 2, moments 16, FP16/BF16 param write 2)
-  plus 2 for the inf check (the grads read once more) = 30; ``step()`` alone: 28. torch's pipeline is
-  charged the same 30 B per param (the job), though it moves about 44 (a: 4, b: 6, c: 28, d: 6).
+- AdamW O2: 30 (FP32 master read + write 8, FP16/BF16 grad read + write of the unscaled value 4, moments
+  16, FP16/BF16 param write 2) plus 2 for the inf check (the grads read once more) = 32; ``step()`` alone:
+  30. torch's pipeline is charged the same 32 B per param (the job), though it moves about 44 (a: 4, b: 6,
+  c: 28, d: 6). A third row steps grads that need no unscale, so nothing is written back (28 B/param): the
+  difference is the measured cost of leaving ``p.grad`` unscaled, as torch's fused optimizers do.
 
 Every method takes one untimed step first (optimizer state is created lazily, in the first step), then
 the harness's warm-up and timed steps. Timing repeated steps on the same tensors is fine: speed does not
@@ -123,7 +125,8 @@ OVERHEAD_TENSORS = 300
 # Traffic models, bytes per param (see the module docstring).
 BYTES_FP32_ADAM = 28
 BYTES_FP32_SGD = 20
-BYTES_O2_STEP = 28
+BYTES_O2_STEP = 30  # includes writing the unscaled grad back into p.grad (2), as torch's fused optimizers do
+BYTES_O2_STEP_NO_WRITE = 28
 BYTES_O2_CHECK = 2
 BYTES_O2 = BYTES_O2_STEP + BYTES_O2_CHECK
 BYTES_TORCH_O2_ACTUAL = 4 + 6 + 28 + 6
@@ -145,6 +148,7 @@ OURS_ADAM = "mpfused FusedAdam.step()"
 OURS_SGD = "mpfused FusedSGD.step()"
 OURS_O2 = "mpfused non_finite_check_ + FusedAdamW.step() (grad_scale, found_inf)"
 OURS_O2_STEP = "mpfused FusedAdamW.step() alone (grad_scale, found_inf given; no inf check)"
+OURS_O2_NO_WRITE = "mpfused FusedAdamW.step() on grads needing no unscale (so no grad write-back)"
 TORCH_O2 = "torch O2: unscale_ -> copy to FP32 grads -> AdamW -> copy back"
 APEX_O2 = "apex FusedAdam(master_weights, capturable) + GradScaler check"
 ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
@@ -311,25 +315,44 @@ def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
 
     # ours: the full job (check, then the step) and the step alone; two optimizers (own masters and moments)
     # on one copy of the params and grads, which neither changes in a way that matters for speed
+    # Each step leaves the grads unscaled (written back): like torch's pipeline below, the calls alternate
+    # grad_scale between S and 1/S, so the grads alternate between their scaled and unscaled values.
     lp = copies()
     for full in (True, False):
         opt = FusedAdamW(lp, **kw)
-        opt.grad_scale = scalar(LOSS_SCALE, device)
+        scales = (scalar(LOSS_SCALE, device), scalar(1.0 / LOSS_SCALE, device))
         found = scalar(0.0, device)
         opt.found_inf = found
         grads = [p.grad for p in lp]
+
+        def ours_step(opt=opt, scales=scales, toggle=[0]) -> None:
+            opt.grad_scale = scales[toggle[0]]
+            toggle[0] ^= 1
+            opt.step()
         if full:
-            def ours_full(grads=grads, found=found, opt=opt) -> None:
+            def ours_full(grads=grads, found=found, step=ours_step) -> None:
                 mpfused.non_finite_check_(grads, found)
-                opt.step()
+                step()
             fn, name, nbytes = ours_full, OURS_O2, BYTES_O2
         else:
-            fn, name, nbytes = opt.step, OURS_O2_STEP, BYTES_O2_STEP
+            fn, name, nbytes = ours_step, OURS_O2_STEP, BYTES_O2_STEP
 
         def masters(opt=opt, lp=lp) -> list[torch.Tensor]:
             return list(lp) + [opt.state[p]["master_param"] for p in lp if "master_param" in opt.state[p]]
         methods.append(method(name, "mpfused", fn, nbytes, step_count=first_step(opt), finite_tensors=masters,
                               flags=lambda found=found: [found]))
+
+    # The cost of leaving p.grad unscaled (written back in the same pass): the same step on grads that need
+    # no unscale, which the kernel then does not write.
+    plain = make_params(randn_list(sizes, device, SEED, dtype=dtype),
+                        randn_list(sizes, device, SEED + 1, std=GRAD_STD, dtype=dtype))
+    opt_plain = FusedAdamW(plain, **kw)
+    found_plain = scalar(0.0, device)
+    opt_plain.found_inf = found_plain
+    methods.append(method(OURS_O2_NO_WRITE, "mpfused", opt_plain.step, BYTES_O2_STEP_NO_WRITE,
+                          step_count=first_step(opt_plain),
+                          finite_tensors=lambda: list(plain) + [opt_plain.state[p]["master_param"] for p in plain],
+                          flags=lambda: [found_plain]))
 
     # torch's O2 pipeline
     lp = copies()
@@ -375,8 +398,8 @@ def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
     methods.append(apex_method)
     notes.append(apex_note)
     return Section(key, f"O2 {label} AdamW (FP32 masters, loss scale {LOSS_SCALE:g})",
-                   "30 B/param: 28 (master r+w 8, grad r 2, moments 16, low-precision param w 2) + 2 for the "
-                   "inf check; step() alone 28", sum(sizes), len(sizes), methods, [ANCHOR_O2, ANCHOR_APEX], notes)
+                   "32 B/param: 30 (master r+w 8, grad r+w 4, moments 16, low-precision param w 2) + 2 for "
+                   "the inf check; step() alone 30; without the grad write-back 28", sum(sizes), len(sizes), methods, [ANCHOR_O2, ANCHOR_APEX], notes)
 
 
 def apex_importable() -> str:
@@ -483,8 +506,10 @@ class OtherLoad:
 def bytes_needed(key: str, params: int, with_apex: bool) -> int:
     """Rough peak of a section: its tensors, the optimizers' state and temporaries (the roof probe is
     already allocated when the free memory is read)."""
-    o2 = 4 + 2 * 12 + 20 + (16 if with_apex else 0) + 4  # ours' params+grads, 2x masters+moments, torch's
-    per_param = {                                        # pipeline, apex, generation temporaries
+    # ours' params+grads and 2x masters+moments, the no-write-back copy with its masters+moments, torch's
+    # pipeline, apex, generation temporaries
+    o2 = 4 + 2 * 12 + (4 + 12) + 20 + (16 if with_apex else 0) + 4
+    per_param = {
         "adamw": 8 + 4 * 8 + 12,  # shared param+grad, 4 optimizers' moments, foreach temporaries
         "adam": 8 + 2 * 8 + 4,
         "sgd": 8 + 4 * 4 + 8,
@@ -544,9 +569,15 @@ def check_agreement(device: torch.device) -> None:
     opt.grad_scale = scalar(LOSS_SCALE, device)
     opt.found_inf = scalar(0.0, device)
     topt = torch.optim.AdamW(ref_params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    scaled = [p.grad.clone() for p in lp]
     for _ in range(2):
+        for p, g in zip(lp, scaled):  # a new backward: the step leaves p.grad unscaled
+            p.grad.copy_(g)
         opt.step()
         topt.step()
+        for p, r in zip(lp, ref_params):
+            torch.testing.assert_close(p.grad, r.grad.half(), rtol=0, atol=0,
+                                       msg=lambda m: f"O2 FP16 grads after the step vs the unscaled grads: {m}")
     for p, r in zip(lp, ref_params):
         torch.testing.assert_close(opt.state[p]["master_param"], r.detach(), rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"O2 FP16 masters vs torch AdamW on FP32 copies: {m}")
@@ -724,6 +755,13 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
         add("(e) O2 AdamW: ours (check + step) vs apex", key, x, "{:.2f}x",
             f">= {TARGET_CUDA_APEX_SPEEDUP:.1f}x (CUDA, if apex)", x is not None and x >= TARGET_CUDA_APEX_SPEEDUP,
             on_cuda, na)
+    for key in LOW_PRECISION:
+        with_write, without = find(records, key, OURS_O2_STEP), find(records, key, OURS_O2_NO_WRITE)
+        cost = None if with_write is None or without is None else \
+            with_write["timing"]["median_s"] / without["timing"]["median_s"] - 1.0
+        add("cost of leaving p.grad unscaled: step() with grad_scale vs on unscaled grads", key,
+            None if cost is None else 100.0 * cost, "{:+.1f}% time", "2 of 30 B/param: ~+7%", True, False,
+            missing(key))
     for key, ours in (("adamw", OURS_ADAMW), ("adam", OURS_ADAM), ("sgd", OURS_SGD), ("o2-fp16", OURS_O2_STEP),
                       ("o2-bf16", OURS_O2_STEP)):
         rec = find(records, key, ours)
