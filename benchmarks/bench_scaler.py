@@ -42,8 +42,9 @@ with a fused AdamW. torch.compile and CUDA graphs are out of scope for every met
 
 Values. The grads are N(0, 2e-3) times the scale 2**16, as backward leaves them (FP16: |g| up to about
 a thousand, far from overflow); their unscaled global norm (about 2e-3 * sqrt(params): 2 at 1M params, 9
-at 20M) is above 1, so the clip is active. Nothing re-populates them between iterations: ours and torch
-O2 only read them (torch O2 unscales and clips its FP32 copies, made afresh every iteration). torch
+at 20M) is above 1, so the clip is active. torch O2 only reads them (it unscales and clips its FP32
+copies, made afresh every iteration); ours leaves them unscaled and clipped, so each of its iterations
+first restores them from a saved copy (charged to ours). torch
 direct unscales and clips its FP16/BF16 grads in place, so persistent grads would shrink every iteration
 and pass through the subnormal range (slow CPU arithmetic) to zero; its grads start at zero instead, a
 fixed point of unscale + clip that costs every kernel involved the same as any normal value. All methods
@@ -55,8 +56,11 @@ and returned norm) after three iterations on a small list.
 Traffic models, bytes per param (effective GB/s = params x bytes / median time, against the copy roof
 measured interleaved with the section):
 
-- ours 30: the clip pass reads the grads (2), the update reads the grads (2), reads and writes the FP32
-  master (8) and both FP32 moments (16), writes the FP16/BF16 param (2).
+- ours 36: the clip pass reads the grads (2), the update reads the grads (2) and writes back the
+  unscaled, clipped ones (2), reads and writes the FP32 master (8) and both FP32 moments (16), writes the
+  FP16/BF16 param (2); and the restore of the scaled grads before each iteration (2 + 2): the update
+  leaves p.grad unscaled, as torch's fused optimizers do, so ours copies the scaled grads back from a
+  saved copy (a stand-in for the next backward, which torch O2 does not need: it unscales FP32 copies).
 - torch O2 60: grads copied to FP32 (2 + 4), unscale_ (4 + 4), norm (4), clip multiply (4 + 4), fused
   AdamW on FP32 (28), masters copied back (4 + 2).
 - torch direct 24: unscale_ (2 + 2), norm (2), clip multiply (2 + 2), fused AdamW with FP16/BF16 param,
@@ -143,7 +147,9 @@ QUICK_PARAMS = 1_000_000
 PARAM_GROUPS = 1
 
 # Traffic models, bytes per param (see the module docstring).
-BYTES_OURS = 2 + 2 + 8 + 16 + 2
+# clip pass 2, update: grad read 2 + write back 2, master 8, moments 16, param 2; the restore of the scaled
+# grads before each iteration 4 (a stand-in for the next backward, charged to ours alone)
+BYTES_OURS = 2 + (2 + 2) + 8 + 16 + 2 + 4
 BYTES_TORCH_O2 = (2 + 4) + (4 + 4) + 4 + (4 + 4) + 28 + (4 + 2)
 BYTES_TORCH_DIRECT = (2 + 2) + 2 + (2 + 2) + (4 + 2 + 8)
 # Rough peak per param of a section: ours (params, grads, masters, moments) 16, torch O2 20, torch direct
@@ -192,8 +198,11 @@ def ours_iteration(lp: list[torch.nn.Parameter], device: torch.device, max_norm:
     scaler = mpfused.GradScaler(str(device), init_scale=INIT_SCALE)
     scaler.scale(torch.ones((), device=device))  # creates the scale on the device, as scaler.scale(loss) does
     opt = FusedAdamW(lp, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    grads = [p.grad for p in lp]
+    scaled = [g.clone() for g in grads]
 
     def iteration() -> torch.Tensor:
+        torch._foreach_copy_(grads, scaled)  # the step leaves p.grad unscaled: the next "backward"
         norm = scaler.clip_grad_norm_(opt, max_norm)
         scaler.step(opt)
         scaler.update()

@@ -191,7 +191,7 @@ class GradScaler(torch.amp.GradScaler):
 
     # ---- the gradient pass ------------------------------------------------------------------------------
     @staticmethod
-    def _collect(optimizer, allow_fp16: bool) -> dict:
+    def _collect(optimizer, allow_fp16: bool, for_norm: bool = False) -> dict:
         """The optimizer's gradients per device: (tensors for mpfused's kernel, {dtype: tensors for torch's
         foreach op}). Everything is validated here, before any kernel runs on any device."""
         per_device: dict = defaultdict(lambda: ([], defaultdict(list)))
@@ -206,9 +206,9 @@ class GradScaler(torch.amp.GradScaler):
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
-                        if grad.dtype is torch.float16:
+                        if grad.dtype is torch.float16 or for_norm:
                             # duplicate indices of scaled FP16 values may overflow only once added: check
-                            # (and unscale) the coalesced values, as torch does
+                            # (and unscale) the coalesced values, as torch does; a norm needs them summed
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     view = _kernel_view(grad)
@@ -248,13 +248,16 @@ class GradScaler(torch.amp.GradScaler):
                 factor = inv if (unscale and inv is not None) else torch.ones((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, factor)
                 if s is not None:
-                    part = torch.stack([x.float() for x in torch._foreach_norm(grads)]).square().sum()
+                    # FP32 norms: an FP16 norm of scaled grads overflows to inf past 65504
+                    part = torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
                     s.add_(part if (unscale or inv is None) else part * inv * inv)
             found[device] = f
             if sumsq:
                 s = s.to(home, non_blocking=True)
                 total = s if total is None else total + s
                 norm = n
+        if sumsq and total is None:  # no gradients at all: the norm is 0, as torch's clip_grad_norm_ says
+            total = torch.zeros((), dtype=torch.float32, device=home)
         if sumsq and norm is None:
             norm = total.sqrt()
         return found, total, norm
@@ -266,8 +269,19 @@ class GradScaler(torch.amp.GradScaler):
             return total, norm
         import torch.distributed as dist
 
-        for device in sorted(found, key=str):
-            dist.all_reduce(found[device], op=dist.ReduceOp.MAX, group=self._process_group)
+        # Exactly one collective for found_inf (and one for a sharded sum), whatever this rank holds: ranks
+        # with grads on other devices, or none, must issue the same collectives or they hang.
+        scale = getattr(self, "_scale", None)
+        home = scale.device if scale is not None else (total.device if total is not None else next(
+            iter(found), torch.device("cpu")))
+        flag = torch.zeros((), dtype=torch.float32, device=home)
+        for f in found.values():
+            flag = torch.maximum(flag, f.to(home, non_blocking=True))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
+        for device in list(found):
+            found[device] = flag if device == home else flag.to(device, non_blocking=True)
+        if not found:  # a rank without grads still skips (or steps) with the others
+            found[home] = flag
         if total is not None and self._grad_sharding == "sharded":
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
             norm = total.sqrt()
@@ -335,7 +349,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._ready("clip_grad_norm_")
             if isinstance(optimizer, FusedOptimizer) and norm_type == 2.0 and state["stage"] is OptState.READY:
-                found, total, norm = self._pass(self._collect(optimizer, True), self._inv_scale, unscale=False, sumsq=True)
+                found, total, norm = self._pass(self._collect(optimizer, True, for_norm=True), self._inv_scale,
+                                                  unscale=False, sumsq=True)
                 total, norm = self._all_reduce(found, total, norm)
                 state["found_inf_per_device"] = found
                 clip["sumsq"], clip["max_norm"] = total, float(max_norm)
@@ -348,7 +363,7 @@ class GradScaler(torch.amp.GradScaler):
         if norm_type != 2.0:
             raise ValueError(f"with a process_group only norm_type=2.0 is supported, got {norm_type}")
         # Global 2-norm of the (now unscaled) gradients across ranks, then scale them in place.
-        found, total, norm = self._pass(self._collect(optimizer, True), None, unscale=False, sumsq=True)
+        found, total, norm = self._pass(self._collect(optimizer, True, for_norm=True), None, unscale=False, sumsq=True)
         total, norm = self._all_reduce(found, total, norm)
         if self._enabled:
             recorded = state["found_inf_per_device"]

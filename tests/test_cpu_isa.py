@@ -99,11 +99,14 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
 for dt in (torch.float16, torch.bfloat16):
     ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099)]
     for opt in (FusedAdamW(ps, lr=1e-2, master_weights=True), FusedSGD(ps, lr=1e-2, momentum=0.9)):
-        for _ in range(3):
+        for i in range(3):
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g).to(dt)
+            if i == 2:  # a scaled step: the kernel writes the unscaled gradient back into p.grad
+                opt.grad_scale, opt.found_inf = torch.tensor([8.0]), torch.zeros(1)
             opt.step()
-        out[f"{dt}-{type(opt).__name__}"] = [p.detach().clone() for p in ps]
+        del opt.grad_scale, opt.found_inf
+        out[f"{dt}-{type(opt).__name__}"] = [p.detach().clone() for p in ps] + [p.grad.clone() for p in ps]
     a = torch.randn(37, 70, generator=g).to(dt); b = torch.randn(70, 45, generator=g).to(dt)
     bias = torch.randn(45, generator=g).to(dt); c = torch.randn(37, 45, generator=g).to(dt)
     for act in (None, "relu", "gelu"):

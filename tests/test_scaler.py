@@ -9,7 +9,7 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdamW, FusedSGD
 from conftest import requires_cuda
-from tolerances import CLIPPED_GRAD_TOL, OPTIM_FP32_ATOL
+from tolerances import CLIPPED_GRAD_TOL, FP16_ROUNDING_RTOL, OPTIM_FP32_ATOL
 
 
 def model(device, seed=0):
@@ -501,3 +501,31 @@ def test_cuda_iteration_with_clipping_is_at_most_3_launches_per_group(dtype):
     assert torch.isfinite(norm).item() and norm.item() > 0
     # The steps were incremented by the update launch's last block (no separate launch): all 3 taken.
     assert all(s["step"].item() == 3.0 for s in opt.state.values())
+
+
+def test_clip_grad_norm_without_any_grad_returns_zero_like_torch(device):
+    model = torch.nn.Linear(3, 2).to(device)
+    for opt in (FusedSGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)):
+        scaler = mpfused.GradScaler(device)
+        scaler.scale(torch.ones((), device=device))
+        norm = scaler.clip_grad_norm_(opt, 1.0)
+        assert norm.item() == 0.0 == torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+
+
+def test_fused_clip_of_strided_fp16_grads_whose_scaled_norm_exceeds_fp16(device):
+    """Strided FP16 grads take torch's foreach path: their scaled norm (~2e5) is beyond FP16's range, so it
+    must be taken in FP32, or the clip coefficient becomes 0 and the step silently does nothing."""
+    p = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float16, device=device))
+    opt = FusedSGD([p], lr=1.0)
+    scaler = mpfused.GradScaler(device, init_scale=2.0**16)
+    scaler.scale(torch.ones((), device=device))
+    p.grad = torch.full((64, 128), 0.05 * 2.0**16, dtype=torch.float16, device=device)[:, ::2]
+    unscaled = torch.full((64, 64), 0.05, dtype=torch.float16, device=device).float()  # the FP16 value of 0.05
+    expected = unscaled.norm()
+    norm = scaler.clip_grad_norm_(opt, 1.0)
+    assert norm.item() == pytest.approx(expected.item(), rel=CLIPPED_GRAD_TOL[0])
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0
+    # the step moved p by the clipped gradient (FP16 storage of the FP32 master)
+    torch.testing.assert_close(p.float(), (-unscaled / expected).half().float(), rtol=FP16_ROUNDING_RTOL, atol=0)

@@ -17,7 +17,7 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
 from conftest import requires_cuda
-from tolerances import SCALED_RUN_ATOL, SCALED_CLIP_RUN_ATOL
+from tolerances import SCALED_CLIP_RUN_ATOL, SCALED_RUN_ATOL, SCALED_RUN_RTOL
 
 SCALERS = {"torch": torch.amp.GradScaler, "mpfused": mpfused.GradScaler}
 
@@ -90,10 +90,10 @@ def check_case(device, scaler_cls, optimizer, run, unskipped, skipped, atol=SCAL
             # mpfused's fused optimizers unscale inside the update; the grads they leave are checked by
             # test_fused_optimizers_leave_unscaled_grads below.
             if compare_grads and (fused_grads or not (fused_ours and enabled)):
-                torch.testing.assert_close(s.grad, c.grad, atol=atol, rtol=1e-5)
+                torch.testing.assert_close(s.grad, c.grad, atol=atol, rtol=SCALED_RUN_RTOL)
             for k, v in opt_c.state[c].items():
-                torch.testing.assert_close(opt_s.state[s][k], v, atol=atol, rtol=1e-5, msg=k)
-            torch.testing.assert_close(s, c, atol=atol, rtol=1e-5)
+                torch.testing.assert_close(opt_s.state[s][k], v, atol=atol, rtol=SCALED_RUN_RTOL, msg=k)
+            torch.testing.assert_close(s, c, atol=atol, rtol=SCALED_RUN_RTOL)
 
 
 def inject_inf(i, scaler, model):
@@ -242,7 +242,7 @@ def test_scaling_multiple_models_optimizers_losses(device, scaler_cls, optimizer
                         opts[1].step()
         assert scaler.get_scale() == (128.0 * 2.0**3 * 0.5 if enabled else 1.0)
         for c, s in zip([*c0.parameters(), *c1.parameters()], [*s0.parameters(), *s1.parameters()]):
-            torch.testing.assert_close(s, c, atol=SCALED_RUN_ATOL, rtol=1e-5)
+            torch.testing.assert_close(s, c, atol=SCALED_RUN_ATOL, rtol=SCALED_RUN_RTOL)
 
 
 @pytest.mark.parametrize("ctor", [FusedSGD, FusedAdam, FusedAdamW], ids=lambda c: c.__name__)

@@ -84,6 +84,9 @@ AMP_O2_VS_O0_LOSS_ATOL = {
 # two, so scaling and unscaling are exact and the plain runs agree to torch's own atol (1e-7, with its
 # rtol 1e-5): only the fused optimizers' different operation order remains, which is far below it.
 SCALED_RUN_ATOL = 1e-7
+# ... with torch's own rtol for these cases: a few FP32 ulp (2^-24 each) of relative difference from the
+# fused optimizers' operation order, compounded over the 4 iterations at lr 1.0.
+SCALED_RUN_RTOL = 1e-5
 # Clipping, penalty and autocast runs: the clip coefficient (max_norm / (norm + 1e-6)) or the penalty's
 # square root is computed from scaled and from unscaled values, which round differently (the 1e-6 in the
 # denominator is not scaled), and lr 1.0 carries that into the weights: torch's clipping cases use 1e-5.
@@ -94,7 +97,17 @@ SCALED_CLIP_RUN_ATOL = 1e-5
 # FP32 lanes and FP64 partials vs torch's per-tensor norms). A few FP32 ulp (2^-24 each) of a sum of
 # ~60 terms; the bug this catches (a norm sqrt(world) too large) is off by 41% or more.
 DIST_NORM_RTOL = 1e-5
+# The params after the distributed clipped step, against the whole-model reference: SGD with lr 1 moves
+# them by coef * grad, whose norm is at most max_norm, so the norm's relative error above reaches them
+# scaled by the update: DIST_NORM_RTOL relative, and this much absolute for params near zero (a few FP32
+# ulp of the O(1) update).
+DIST_PARAM_ATOL = 1e-6
 # Gradients after clip_grad_norm_ + unscale_ (ours: each value times (1/scale * clip coefficient), one
 # rounding, the coefficient from our FP32 sum of squares) against torch's unscale_ then clip_grad_norm_
 # (two roundings, its own norm): a few FP32 ulp apart, (rtol, atol); atol for values near zero.
 CLIPPED_GRAD_TOL = (1e-5, 1e-7)
+
+# An FP16 value rounded from an FP32 result against the FP16 rounding of a reference computed in another
+# order: the two FP32 values differ by a few FP32 ulp, which can tip the rounding to the neighbouring FP16
+# value: one FP16 ulp, at most 2^-10 of the value.
+FP16_ROUNDING_RTOL = 2.0**-10
