@@ -14,6 +14,9 @@ import torch
 import mpfused
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the mpfused under test comes from (the source tree, or site-packages when the tests run against
+# an installed build): the subprocesses must import that one, not an unbuilt source tree.
+PKG_ROOT = Path(mpfused.__file__).resolve().parents[1]
 PATHS = ["scalar", "avx2", "avx512"]
 SUPPORTED = mpfused.build_info()["cpu_isa_supported"].split(", ")
 
@@ -30,8 +33,8 @@ def run_python(code, isa, check=True):
         env.pop("MPFUSED_CPU_ISA", None)
     else:
         env["MPFUSED_CPU_ISA"] = isa
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
+    env["PYTHONPATH"] = str(PKG_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=PKG_ROOT, capture_output=True,
                        text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr
