@@ -99,6 +99,22 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
     bad = [t.clone() for t in clean]; bad[4][4000] = float("nan")
     found = torch.zeros(()); mpfused.non_finite_check_(bad, found)
     out[f"{dt}-nan"] = found
+    for inv in (1 / 1024., 2.0**60):  # a NaN found through the sums; finite squares that overflow the sum
+        found, s = torch.zeros(()), torch.zeros(())
+        mpfused.non_finite_check_(bad, found, torch.tensor(inv), sumsq=s)
+        out[f"{dt}-sumsq-nan-{inv}"] = [found, s]
+        found, s = torch.zeros(()), torch.zeros(())
+        mpfused.non_finite_check_(clean, found, torch.tensor(inv), sumsq=s)
+        out[f"{dt}-sumsq-{inv}"] = [found, s]
+# FP16 sums of squares at the edges of folding a power-of-two inv_scale out of the loop: subnormal
+# inputs, 2^-39 (folded) and 2^-40 (not), squares that overflow, scales that are not powers of two.
+edge = torch.cat([torch.randn(5000, generator=g) * 2.0**-14, torch.randn(5000, generator=g) * 60000]).half()
+edge[::97] = 2.0**-24
+for inv in (2.0**-39, 2.0**-40, 2.0**-60, 2.0**63, 2.0**64, 3.0, 0.75):
+    for part in (edge[:5000], edge[5000:], edge):  # each alone: the small values' sum must not drown
+        found, s = torch.zeros(()), torch.zeros(())
+        mpfused.non_finite_check_([part], found, torch.tensor(inv), sumsq=s)
+        out[f"f16-edge-sumsq-{inv}-{part.numel()}-{float(part[0])}"] = [found, s]
 for dt in (torch.float16, torch.bfloat16):
     ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099)]
     for opt in (FusedAdamW(ps, lr=1e-2, master_weights=True), FusedSGD(ps, lr=1e-2, momentum=0.9)):

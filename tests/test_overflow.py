@@ -48,9 +48,16 @@ def boundary_positions(numel, chunk):
     return sorted(positions)
 
 
+# The check alone, and with a sum of squares (the CPU's FP16 sum-of-squares loop finds non-finite
+# values through the sums and then reads the span again for the flag).
+CHECK_MODES = {"check": lambda d: {}, "sumsq": lambda d: dict(sumsq=flag(d)),
+               "scaled-sumsq": lambda d: dict(inv_scale=flag(d, 1.0 / 1024), sumsq=flag(d))}
+
+
+@pytest.mark.parametrize("mode", list(CHECK_MODES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "+inf", "-inf"])
-def test_detects_at_first_last_and_both_sides_of_every_chunk_boundary(device, dtype, bad):
+def test_detects_at_first_last_and_both_sides_of_every_chunk_boundary(device, dtype, bad, mode):
     chunk = overflow_limits(device)["chunk_size"]
     numel = 3 * chunk + 17
     clean = torch.randn(numel, device=device).to(dtype)
@@ -60,11 +67,27 @@ def test_detects_at_first_last_and_both_sides_of_every_chunk_boundary(device, dt
         t = clean.clone()
         t[pos] = bad
         found = flag(device)
-        mpfused.non_finite_check_([torch.randn(5, device=device).to(dtype), t], found)
+        mpfused.non_finite_check_([torch.randn(5, device=device).to(dtype), t], found, **CHECK_MODES[mode](device))
         assert found.item() == 1.0, f"{bad} at {pos} of {numel} not found"
     found = flag(device)
-    mpfused.non_finite_check_([clean], found)
+    mpfused.non_finite_check_([clean], found, **CHECK_MODES[mode](device))
     assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sum_of_squares_that_overflows_from_finite_values_is_not_a_found_inf(device, dtype):
+    # Finite values whose scaled squares overflow FP32: the sum is inf, the flag stays clear. Then one
+    # NaN among them: the flag is set.
+    t = torch.full((3 * 4096 + 5,), 1000.0, dtype=dtype, device=device)
+    inv = flag(device, 2.0**60)  # 1000 * 2^60 is finite in FP32; its square is not
+    found, sumsq = flag(device), flag(device)
+    mpfused.non_finite_check_([t], found, inv, sumsq=sumsq)
+    assert found.item() == 0.0
+    assert sumsq.item() == math.inf
+    t[4097] = float("nan")
+    mpfused.non_finite_check_([t], found, inv, sumsq=sumsq, overwrite=True)
+    assert found.item() == 1.0
+    assert math.isnan(sumsq.item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
