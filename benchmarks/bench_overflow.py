@@ -395,9 +395,6 @@ def main() -> None:
     machine = machine_info(device)
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))
     print_header(NAME, machine, roofs)
-    if device.type == "cpu":
-        print_text(f"CPU path measured: {machine['mpfused_build']['cpu_isa']} (MPFUSED_CPU_ISA; supported here: "
-                   f"{machine['mpfused_build']['cpu_isa_supported']})")
     print_text(f"list: {len(sizes)} tensors, {elements / 1e6:.1f}M elements (largest {max(sizes):,}, "
                f"median {sorted(sizes)[len(sizes) // 2]:,}, smallest {min(sizes):,}); "
                f"{args.warmup} warm-up + up to {args.repeats} timed calls per method, "

@@ -415,6 +415,9 @@ def print_header(name: str, machine: dict[str, Any], roofs: Roofs) -> None:
                f"{machine['python_version']}, mpfused {build['version']} (built against torch "
                f"{build['torch_version']}, CUDA {build['cuda_version']}, OpenMP {build['openmp']}), "
                f"{machine['date_utc']}")
+    if machine["device"] == "cpu":
+        print_text(f"  CPU path measured: {build['cpu_isa']} (MPFUSED_CPU_ISA; supported here: "
+                   f"{build['cpu_isa_supported']})")
     warn_if_busy(machine["cpu_busy_before_run"], "just before this run")
     print_text(f"  roofs ({roofs.buffer_bytes / 1e6:.0f} MB buffers, median of {len(roofs.read.samples_s)}): "
                f"read {roofs.read_Bps / GB:.1f} GB/s (x.sum), copy {roofs.copy_Bps / GB:.1f} GB/s "
@@ -423,11 +426,16 @@ def print_header(name: str, machine: dict[str, Any], roofs: Roofs) -> None:
 
 def json_path(args: argparse.Namespace, name: str) -> Optional[Path]:
     """Where ``--json`` asks the results to go: None without ``--json``, the given path, or
-    ``benchmarks/results/<name>_<device>.json`` when ``--json`` has no path."""
+    ``benchmarks/results/<name>_<device>.json`` when ``--json`` has no path (``<name>_cpu_<path>.json`` on
+    the CPU, one file per CPU code path: scalar, avx2, avx512)."""
     if args.json is None:
         return None
     if args.json:
         return Path(args.json)
+    if args.device.type == "cpu":
+        import mpfused
+
+        return RESULTS_DIR / f"{name}_cpu_{mpfused.build_info()['cpu_isa']}.json"
     return RESULTS_DIR / f"{name}_{args.device.type}.json"
 
 
@@ -453,7 +461,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                         help="time budget per measurement: slower callables get fewer repeats, at least 3 "
                              "(default 2.0)")
     parser.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
-                        help="write the results as JSON (default path: benchmarks/results/<name>_<device>.json)")
+                        help="write the results as JSON (default path: benchmarks/results/<name>_<device>.json, <name>_cpu_<CPU path>.json on the CPU)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     return parser
 
