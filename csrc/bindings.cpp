@@ -184,14 +184,43 @@ void non_finite_check_(const std::vector<at::Tensor>& tensors, const at::Tensor&
 using TensorList = std::vector<at::Tensor>;
 using OptTensorList = std::vector<std::optional<at::Tensor>>;
 
-// A float32 contiguous tensor with `numel` elements on `device` (optimizer state, master weights).
-float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, int64_t numel) {
+// The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its
+// elements out in memory as the param does: same shape, and the same stride in every dim of size > 1
+// (the stride of a size-1 dim never addresses memory). The param itself must be non-overlapping and dense
+// (contiguous, channels_last, any permutation of a contiguous tensor); then so is every tensor with its layout.
+bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
+  if (t.sizes() != ref.sizes()) return false;
+  for (int64_t d = 0; d < ref.dim(); ++d)
+    if (ref.size(d) > 1 && t.stride(d) != ref.stride(d)) return false;
+  return true;
+}
+
+std::string describe_layout(const at::Tensor& t) {
+  std::ostringstream s;
+  s << describe(t) << " with strides " << t.strides();
+  return s.str();
+}
+
+// A float32 tensor with its param's shape and memory layout on `device` (optimizer state, master weights).
+float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
   check_dense(t, name);
   if (t.scalar_type() != at::kFloat) fail(name + " must be float32, got a " + describe(t));
   if (t.device() != device) fail(name + " must be on " + device.str() + " like its param, got a " + describe(t));
-  if (t.numel() != numel) fail(name + " must have " + std::to_string(numel) + " elements like its param, got a " + describe(t));
-  if (!t.is_contiguous()) fail(name + " must be contiguous, got a strided view " + describe(t));
+  if (t.sizes() != param.sizes()) fail(name + " must have its param's shape " + c10::str(param.sizes()) + ", got a " + describe(t));
+  if (!same_layout(t, param))
+    fail(name + " must have its param's memory layout (strides " + c10::str(param.strides()) + "), got a " +
+         describe_layout(t));
   return t.data_ptr<float>();
+}
+
+// A tensor hyperparameter (core/optim.h HyperRef): float32 or float64, one element, on the update's device.
+mpf::HyperRef hyper_ref(const std::optional<at::Tensor>& t, const std::string& name, const at::Device& device) {
+  if (!t) return {nullptr, false};
+  check_dense(*t, name);
+  if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) || t->numel() != 1)
+    fail(name + " must be a float32 or float64 tensor with one element, got a " + describe(*t));
+  if (t->device() != device) fail(name + " must be on " + device.str() + " like the params, got a " + describe(*t));
+  return {t->data_ptr(), t->scalar_type() == at::kDouble};
 }
 
 const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& list_name, size_t n) {
@@ -221,26 +250,30 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
       check_backend(device, "params[0]");
     }
     if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
-    if (!p.is_contiguous()) fail("params" + idx + " must be contiguous, got a strided view " + describe(p));
+    if (!p.is_non_overlapping_and_dense())
+      fail("params" + idx + " must be dense (contiguous, channels_last or another permutation of a contiguous "
+           "tensor), got a strided view " + describe_layout(p));
     if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
     check_plain(g, "grads" + idx);
     if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
     if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
     if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
     if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
-    if (!g.is_contiguous()) fail("grads" + idx + " must be contiguous, got a strided view " + describe(g));
+    if (!same_layout(g, p))
+      fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
+           describe_layout(g));
     const int64_t numel = p.numel();
     mpf::OptimTensor t{p.data_ptr(), g.data_ptr(), nullptr, nullptr, nullptr, nullptr, nullptr, numel, d};
-    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, numel);
+    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, p);
     const at::Tensor* s0 = opt(state0, i, s0_name, n);
     const at::Tensor* s1 = opt(state1, i, s1_name, n);
     const at::Tensor* s2 = opt(state2, i, s2_name, n);
     if (need_s0 && !s0) fail(std::string(s0_name) + idx + " is required");
     if (need_s1 && !s1) fail(std::string(s1_name) + idx + " is required");
     if (need_s2 && !s2) fail(std::string(s2_name) + idx + " is required");
-    if (s0) t.state0 = state_ptr(*s0, s0_name + idx, device, numel);
-    if (s1) t.state1 = state_ptr(*s1, s1_name + idx, device, numel);
-    if (s2) t.state2 = state_ptr(*s2, s2_name + idx, device, numel);
+    if (s0) t.state0 = state_ptr(*s0, s0_name + idx, device, p);
+    if (s1) t.state1 = state_ptr(*s1, s1_name + idx, device, p);
+    if (s2) t.state2 = state_ptr(*s2, s2_name + idx, device, p);
     if (const at::Tensor* st = opt(steps, i, "steps", n)) {
       check_scalar(*st, "steps" + idx, device);
       t.step = st->data_ptr<float>();
@@ -308,9 +341,11 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
                 const std::optional<at::Tensor>& clip_sumsq, double max_norm,
                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& counter, bool write_grad) {
-  check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
-  check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
+                const std::optional<at::Tensor>& counter, bool write_grad,
+                const std::optional<at::Tensor>& beta1_tensor, const std::optional<at::Tensor>& beta2_tensor) {
+  // A tensor beta is read by the update itself; its float argument is then ignored.
+  if (!beta1_tensor) check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
+  if (!beta2_tensor) check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, "eps", 0.0, false, INFINITY, false);
   check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
   if (params.empty()) return;
@@ -324,6 +359,8 @@ void adam_step_(const TensorList& params, const TensorList& grads, const OptTens
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
+  a.hyper.beta1 = hyper_ref(beta1_tensor, "beta1", device);
+  a.hyper.beta2 = hyper_ref(beta2_tensor, "beta2", device);
   fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
   a.write_grad = write_grad;
@@ -336,10 +373,11 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
                bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
                const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& clip_sumsq,
                double max_norm, const std::optional<at::Tensor>& found_inf,
-               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& counter, bool write_grad) {
+               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& counter, bool write_grad,
+               const std::optional<at::Tensor>& weight_decay_tensor) {
   check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
   check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
-  check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
+  if (!weight_decay_tensor) check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
   if (nesterov && (momentum <= 0.0 || dampening != 0.0)) fail("nesterov momentum requires a momentum and zero dampening");
   if (params.empty()) return;
   at::Device device(at::kCPU);
@@ -353,6 +391,7 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const OptTenso
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
   a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
+  a.hyper.weight_decay = hyper_ref(weight_decay_tensor, "weight_decay", device);
   fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
   a.write_grad = write_grad;

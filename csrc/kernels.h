@@ -3,7 +3,9 @@
 // Plain structs only: raw pointers, int64 sizes, a dtype enum. No torch and no CUDA types, so the
 // backends build and test without Python (CMakeLists.txt) and bindings.cpp is the one file that
 // translates between at::Tensor and these structs. Arguments arrive validated: the backends assume
-// contiguous tensors of a supported dtype on one device, and never see an invalid argument.
+// tensors of a supported dtype on one device whose elements fill one block of memory (contiguous, or,
+// for the optimizer, any dense layout such as channels_last shared by a param, its grad and its state:
+// element-wise work reads them as flat arrays), and never see an invalid argument.
 #pragma once
 
 #include <cstdint>
@@ -75,6 +77,8 @@ struct OptimArgs {
   const float* lr_ptr;         // nullptr, or one float on the device: the learning rate
   AdamHyper adam;
   SgdHyper sgd;
+  HyperRefs hyper;             // tensor hyperparameters on the device, read by the update (core/optim.h);
+                               //   each overrides its value in adam/sgd
   const float* inv_scale;      // nullptr, or one float: gradients are multiplied by it
   const float* grad_scale;     // nullptr, or one float (the loss scale S, as torch.amp.GradScaler hands
                                //   it over): gradients are multiplied by float(1 / S) computed in double

@@ -120,6 +120,14 @@ def _lr_args(lr):
     return float(lr), None
 
 
+def _hyper_args(value):
+    """A hyperparameter that may be a one-element float32/float64 tensor on the params' device: then the
+    update reads it there (no host sync) and the float argument is ignored."""
+    if isinstance(value, torch.Tensor):
+        return 0.0, value
+    return float(value), None
+
+
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
                max_norm=0.0, found_inf=None, grad_scale=None, counter=None, write_grad=False) -> None:
@@ -133,23 +141,28 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, s
     update's last block increments the step counters, so the step is one launch per group instead of two.
     ``write_grad``: a taken step also writes the gradient it used (times the unscale factor and the clip
     coefficient) back into ``grads``, as torch's fused optimizers leave p.grad unscaled; a skipped step
-    leaves them as they were. Validates everything before writing anything."""
+    leaves them as they were. ``beta1``/``beta2`` are floats or one-element float32/float64 tensors on the
+    params' device, read by the update itself. Params may have any dense layout (channels_last, ...) that
+    their grads, masters and state share. Validates everything before writing anything."""
     lr_value, lr_tensor = _lr_args(lr)
+    (b1, b1_tensor), (b2, b2_tensor) = _hyper_args(beta1), _hyper_args(beta2)
     _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
-                  float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
+                  b1, b2, float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
                   bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale, counter,
-                  bool(write_grad))
+                  bool(write_grad), b1_tensor, b2_tensor)
 
 
 def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
               maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None,
               grad_scale=None, counter=None, write_grad=False) -> None:
     """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
-    never written (torch then sets it to the gradient itself)."""
+    never written (torch then sets it to the gradient itself). ``weight_decay`` may be a tensor, as the betas
+    of :func:`adam_step_`."""
     lr_value, lr_tensor = _lr_args(lr)
+    wd, wd_tensor = _hyper_args(weight_decay)
     _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
-                 float(dampening), float(weight_decay), bool(nesterov), bool(maximize), inv_scale, clip_coef,
-                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter, bool(write_grad))
+                 float(dampening), wd, bool(nesterov), bool(maximize), inv_scale, clip_coef,
+                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter, bool(write_grad), wd_tensor)
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,

@@ -31,6 +31,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ._layout import like, same_layout
 from ._ops import has_cuda_kernels
 from .optim import FusedAdam, FusedAdamW, FusedSGD
 from .optim._base import FusedOptimizer
@@ -351,7 +352,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                     continue
                 for p in group["params"]:
                     if p in originals:
-                        opt.state[p]["master_param"] = originals[p].contiguous()
+                        o = originals[p]  # FP32; the master needs the param's memory layout
+                        opt.state[p]["master_param"] = o if same_layout(o, p) else like(o, p, torch.float32)
         model.forward = _CastingForward(
             model, input_dtype=props.dtype if props.cast_inputs else None,
             output_dtype=torch.float32 if props.outputs_fp32 else None, output_from=_LOW_DTYPES)

@@ -31,6 +31,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import _ops
+from ._layout import is_dense
 from .optim._base import FusedOptimizer
 
 __all__ = ["GradScaler"]
@@ -47,16 +48,6 @@ def _fresh_clip_state() -> dict:
     return {"sumsq": None, "max_norm": None}
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when t's elements fill one block of memory without overlap (contiguous in some dim order)."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     """t, or a flat view of its memory, when mpfused's kernel can take it; None when torch's op must."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.dtype not in _KERNEL_DTYPES:
@@ -65,7 +56,7 @@ def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if t.is_contiguous():
         return t
-    if _is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise, the order is free
+    if is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise, the order is free
         return t.as_strided((t.numel(),), (1,), t.storage_offset())
     return None
 

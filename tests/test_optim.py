@@ -408,9 +408,9 @@ def test_bad_params_and_grads_raise_before_anything_is_written():
     d = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
     d.grad = torch.randn(3, dtype=torch.float64)
     cases.append(([d], "float32/float16/bfloat16|not supported"))
-    nc = torch.nn.Parameter(torch.randn(4, 6).t())
-    nc.grad = torch.randn(4, 6).t()
-    cases.append(([nc], "must be contiguous"))
+    nc = torch.nn.Parameter(torch.randn(4, 12)[:, ::2])  # a gap every other element: not dense
+    nc.grad = torch.randn(4, 6)
+    cases.append(([nc], "must be dense"))
     for bad, message in cases:
         good.grad = torch.ones_like(good)
         opt = FusedAdamW([good] + bad)
@@ -430,11 +430,17 @@ def test_kernel_entry_validates_shapes_devices_and_state():
         (dict(grads=[torch.randn(6).half()]), r"grads\[0\] must have its param's dtype"),
         (dict(grads=[torch.randn(6, device="meta")]), r"grads\[0\] must be on its param's device"),
         (dict(exp_avgs=[torch.zeros(6).half()]), r"exp_avgs\[0\] must be float32"),
-        (dict(exp_avgs=[torch.zeros(5)]), r"exp_avgs\[0\] must have 6 elements"),
+        (dict(exp_avgs=[torch.zeros(5)]), r"exp_avgs\[0\] must have its param's shape"),
         (dict(steps=[torch.zeros(2)]), r"steps\[0\] must be a float32 tensor with one element"),
         (dict(masters=[torch.zeros(6, device="meta")]), r"masters\[0\] must be on cpu"),
         (dict(found_inf=torch.zeros(1).half()), r"found_inf must be a float32"),
         (dict(beta1=float("nan")), r"invalid beta1"),
+        (dict(params=[torch.randn(6, 2)[:, 0]], grads=[torch.randn(6)]), r"params\[0\] must be dense"),
+        (dict(grads=[torch.randn(6, 2)[:, 0]]), r"grads\[0\] must have its param's memory layout"),
+        (dict(exp_avgs=[torch.zeros(6, 2)[:, 0]]), r"exp_avgs\[0\] must have its param's memory layout"),
+        (dict(beta1=torch.tensor(0.9, dtype=torch.float16)), r"beta1 must be a float32 or float64 tensor"),
+        (dict(beta2=torch.tensor([0.9, 0.9])), r"beta2 must be a float32 or float64 tensor with one element"),
+        (dict(beta2=torch.tensor(0.9, device="meta")), r"beta2 must be on cpu like the params"),
     ]
     for override, message in bad:
         args = dict(params=[p], grads=[g], masters=[None], exp_avgs=[z()], exp_avg_sqs=[z()], max_exp_avg_sqs=[],
@@ -447,6 +453,39 @@ def test_kernel_entry_validates_shapes_devices_and_state():
                                     args.pop("exp_avg_sqs"), args.pop("max_exp_avg_sqs"), args.pop("steps"),
                                     found_inf=found_inf, **args)
         assert torch.equal(p, before) and step.item() == 0.0
+
+
+def _kernel_step(kind, device, **hyper):
+    """One step of the kernel entry on fixed data; returns the param."""
+    g = torch.Generator().manual_seed(3)
+    p, grad = (torch.randn(1000, generator=g).to(device) for _ in range(2))
+    z = lambda: torch.zeros(1000, device=device)  # noqa: E731
+    step = torch.full((), 2.0, device=device)
+    if kind == "adam":
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
+                  decoupled=True)
+        kw.update(hyper)
+        mpfused._ops.adam_step_([p], [grad], [None], [z() + 0.1], [z() + 0.2], [], [step], **kw)
+    else:
+        kw = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+        kw.update(hyper)
+        mpfused._ops.sgd_step_([p], [grad], [None], [z() + 0.1], [step], **kw)
+    return p
+
+
+@pytest.mark.parametrize("kind,key,value", [("adam", "beta1", 0.5), ("adam", "beta2", 0.75),
+                                            ("sgd", "weight_decay", 0.25)])
+def test_a_tensor_hyperparameter_is_read_by_the_kernel_as_its_value(kind, key, value, device):
+    # value, 0.5 and 0.75 and 0.25, are exact in float32 and float64: every form gives the same bits.
+    plain = _kernel_step(kind, device, **{key: value})
+    for dtype in (torch.float32, torch.float64):
+        t = torch.tensor(value, dtype=dtype, device=device)
+        assert torch.equal(_kernel_step(kind, device, **{key: t}), plain)
+        assert torch.equal(_kernel_step(kind, device, **{key: t.reshape(1)}), plain)
+    # A float32 tensor holds float32(0.9): the update uses that value, as torch's .item() would.
+    t = torch.tensor(0.9, dtype=torch.float32, device=device)
+    assert torch.equal(_kernel_step(kind, device, **{key: t}), _kernel_step(kind, device, **{key: float(t)}))
+    assert not torch.equal(_kernel_step(kind, device, **{key: t}), plain)
 
 
 # ---- CUDA only (skipped without a GPU) -----------------------------------------------------------------

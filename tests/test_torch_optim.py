@@ -12,54 +12,110 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from conftest import DEVICES, cuda_skip_reason, requires_cuda
 from tolerances import OPTIM_FP32_ATOL
 
 PAIRS = {"adam": (FusedAdam, torch.optim.Adam), "adamw": (FusedAdamW, torch.optim.AdamW),
          "sgd": (FusedSGD, torch.optim.SGD)}
 
+
+class OnDevice:
+    """A one-element tensor hyperparameter made on the test's device (a CUDA tensor in the cuda cases)."""
+
+    def __init__(self, value, shape=()):
+        self.value, self.shape = value, shape
+
+    def make(self, device):
+        return torch.full(self.shape, self.value, device=device)
+
+
+class OnHost(OnDevice):
+    """A one-element tensor hyperparameter on the CPU whatever the params' device (read on the host)."""
+
+    def make(self, device):
+        return torch.full(self.shape, self.value)
+
+
 # The kwargs of torch's optim_inputs_func_adam / _adamw / _sgd (common_optimizers.py), as our own table.
 ADAM_CONFIGS = [
-    {}, dict(lr=0.01), dict(lr=torch.tensor(0.001)), dict(lr=torch.tensor([0.001])),
-    dict(betas=(torch.tensor(0.9), torch.tensor(0.99))), dict(betas=(torch.tensor([0.9]), torch.tensor([0.99]))),
+    {}, dict(lr=0.01), dict(lr=OnDevice(0.001)), dict(lr=OnDevice(0.001, (1,))),
+    dict(betas=(OnDevice(0.9), OnDevice(0.99))), dict(betas=(OnDevice(0.9, (1,)), OnDevice(0.99, (1,)))),
+    dict(betas=(OnHost(0.9), OnHost(0.99))),
     dict(weight_decay=0.1), dict(weight_decay=0.1, maximize=True), dict(weight_decay=0.1, amsgrad=True),
     dict(amsgrad=True), dict(capturable=True), dict(capturable=True, amsgrad=True), dict(foreach=False),
     dict(foreach=True), dict(fused=True), dict(lr=np.float32(0.01), eps=np.float64(1e-6)),
 ]
 SGD_CONFIGS = [
-    {}, dict(lr=0.01), dict(lr=torch.tensor(0.001)), dict(momentum=0.9), dict(momentum=0.9, dampening=0.5),
+    {}, dict(lr=0.01), dict(lr=OnDevice(0.001)), dict(momentum=0.9), dict(momentum=0.9, dampening=0.5),
     dict(momentum=0.9, weight_decay=0.1), dict(momentum=0.9, nesterov=True, weight_decay=0.1),
-    dict(weight_decay=0.1, maximize=True), dict(weight_decay=torch.tensor(0.1)),
+    dict(weight_decay=0.1, maximize=True), dict(weight_decay=OnDevice(0.1)), dict(weight_decay=OnHost(0.1)),
     dict(momentum=np.float64(0.9), lr=np.float32(0.02)), dict(foreach=False), dict(fused=True),
 ]
 CONFIGS = ([("adam", c) for c in ADAM_CONFIGS] + [("adamw", c) for c in ADAM_CONFIGS]
            + [("sgd", c) for c in SGD_CONFIGS])
 
 
+def value_id(v):
+    if isinstance(v, OnDevice):
+        return f"{type(v).__name__}{list(v.shape)}"
+    if isinstance(v, tuple):
+        return "(" + ",".join(value_id(x) for x in v) + ")"
+    return str(v) if isinstance(v, (bool, int, float)) else type(v).__name__
+
+
 def config_id(c):
     name, kw = c
-    return name + "-" + (",".join(f"{k}={type(v).__name__ if not isinstance(v, (bool, int, float)) else v}"
-                                  for k, v in kw.items()) or "default")
+    return name + "-" + (",".join(f"{k}={value_id(v)}" for k, v in kw.items()) or "default")
+
+
+def has_host_tensor(kw):
+    return any(isinstance(x, OnHost) for v in kw.values() for x in (v if isinstance(v, tuple) else (v,)))
+
+
+def device_params(items, ids):
+    """(device, item) cases: every item on the CPU, and on CUDA (skipped with the reason when absent). On the
+    CPU a host tensor is a device tensor, so those configurations run on CUDA only."""
+    out = []
+    for dev in DEVICES:
+        name = dev if isinstance(dev, str) else dev.values[0]
+        marks = () if isinstance(dev, str) else dev.marks
+        for item, i in zip(items, ids):
+            if name == "cpu" and has_host_tensor(item[1]):
+                continue
+            out.append(pytest.param(name, item, marks=marks, id=f"{name}-{i}"))
+    return out
+
+
+def materialize(kw, device):
+    def one(v):
+        if isinstance(v, OnDevice):
+            return v.make(device)
+        if isinstance(v, tuple):
+            return tuple(one(x) for x in v)
+        return v
+    return {k: one(v) for k, v in kw.items()}
 
 
 def torch_kwargs(kw):
-    # torch runs its single-tensor reference: no foreach/fused/capturable choice, no numpy scalars in betas.
+    # torch runs its single-tensor reference: no foreach/fused/capturable choice.
     kw = {k: v for k, v in kw.items() if k not in ("foreach", "fused", "capturable")}
     return dict(kw, foreach=False)
 
 
-def make_params(seed=0):
+def make_params(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(7, 5, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_(),
-            torch.randn(3, 4, 2, generator=g).requires_grad_()]
+    return [torch.randn(7, 5, generator=g).to(device).requires_grad_(),
+            torch.randn(5, generator=g).to(device).requires_grad_(),
+            torch.randn(3, 4, 2, generator=g).to(device).requires_grad_()]
 
 
 def two_groups(params, extra):
     return [dict(params=params[:2]), dict(params=params[2:], **extra)]
 
 
-def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None):
+def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None, device="cpu"):
     ours_cls, theirs_cls = PAIRS[name]
-    a, b = make_params(), make_params()
+    a, b = make_params(device=device), make_params(device=device)
     if group_extra is not None:
         opt_a, opt_b = ours_cls(two_groups(a, group_extra), **ours_kw), theirs_cls(two_groups(b, group_extra), **theirs_kw)
     else:
@@ -67,7 +123,7 @@ def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for pa, pb in zip(a, b):
-            grad = torch.randn(pa.shape, generator=g)
+            grad = torch.randn(pa.shape, generator=g).to(device)
             pa.grad, pb.grad = grad.clone(), grad.clone()
         opt_a.step()
         opt_b.step()
@@ -76,17 +132,22 @@ def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None):
     return opt_a, opt_b
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[config_id(c) for c in CONFIGS])
-def test_torch_optimizer_configuration_matches_torch_step_by_step(config):
+@pytest.mark.parametrize("device,config", device_params(CONFIGS, [config_id(c) for c in CONFIGS]))
+def test_torch_optimizer_configuration_matches_torch_step_by_step(device, config):
     name, kw = config
-    step_side_by_side(name, kw, torch_kwargs(kw))
+    kw = materialize(kw, device)
+    step_side_by_side(name, kw, torch_kwargs(kw), device=device)
 
 
-@pytest.mark.parametrize("name,extra", [("adam", dict(lr=0.02, betas=(0.5, 0.9), weight_decay=0.3, amsgrad=True)),
-                                        ("adamw", dict(lr=0.05, eps=1e-3, maximize=True)),
-                                        ("sgd", dict(lr=0.1, momentum=0.5, dampening=0.2, weight_decay=0.01))])
-def test_param_groups_with_different_hyperparameters_match_torch(name, extra):
-    step_side_by_side(name, {}, dict(foreach=False), group_extra=extra)
+GROUP_CASES = [("adam", dict(lr=0.02, betas=(0.5, 0.9), weight_decay=0.3, amsgrad=True)),
+               ("adamw", dict(lr=0.05, eps=1e-3, maximize=True)),
+               ("sgd", dict(lr=0.1, momentum=0.5, dampening=0.2, weight_decay=0.01))]
+
+
+@pytest.mark.parametrize("device,case", device_params(GROUP_CASES, [n for n, _ in GROUP_CASES]))
+def test_param_groups_with_different_hyperparameters_match_torch(device, case):
+    name, extra = case
+    step_side_by_side(name, {}, dict(foreach=False), group_extra=extra, device=device)
 
 
 # ---- generic Optimizer behaviour, same assertions on torch's optimizer and ours ---------------------------
@@ -104,14 +165,15 @@ def build(which, name, params, **kw):
 def fill_grads(params, seed):
     g = torch.Generator().manual_seed(seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
 
 
-def step_both(opt_a, a, opt_b, b, seeds, atol=OPTIM_FP32_ATOL):
-    """Same grads for both, one step each, params compared (atol 0: bitwise)."""
+def step_both(opt_a, a, opt_b, b, seeds, atol=OPTIM_FP32_ATOL, fill=None):
+    """Same grads for both (``fill``: fill_grads by default), one step each, params compared (atol 0: bitwise)."""
+    fill = fill or fill_grads
     for s in seeds:
-        fill_grads(a, s)
-        fill_grads(b, s)
+        fill(a, s)
+        fill(b, s)
         opt_a.step()
         opt_b.step()
         for pa, pb in zip(a, b):
@@ -119,8 +181,8 @@ def step_both(opt_a, a, opt_b, b, seeds, atol=OPTIM_FP32_ATOL):
 
 
 @pytest.mark.parametrize("which,name", BOTH)
-def test_state_dict_round_trip_then_identical_steps(which, name):
-    a = make_params()
+def test_state_dict_round_trip_then_identical_steps(which, name, device):
+    a = make_params(device=device)
     opt = build(which, name, a)
     for s in range(3):
         fill_grads(a, s)
@@ -132,8 +194,8 @@ def test_state_dict_round_trip_then_identical_steps(which, name):
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_a_torch_state_dict_loads_and_steps_like_torch(name):
-    a, b = make_params(), make_params()
+def test_a_torch_state_dict_loads_and_steps_like_torch(name, device):
+    a, b = make_params(device=device), make_params(device=device)
     theirs, ours = build(1, name, a), build(0, name, b)
     for s in range(2):
         fill_grads(a, s)
@@ -206,8 +268,8 @@ def test_add_param_group_and_its_errors(which, name):
 
 
 @pytest.mark.parametrize("which,name", BOTH)
-def test_deepcopy_and_pickle_keep_state_and_step_alike(which, name):
-    p = make_params()
+def test_deepcopy_and_pickle_keep_state_and_step_alike(which, name, device):
+    p = make_params(device=device)
     opt = build(which, name, p)
     fill_grads(p, 0)
     opt.step()
@@ -366,27 +428,80 @@ def test_a_tensor_subclass_raises_type_error_in_python_before_state_is_created(n
     assert torch.equal(p[0], before) and len(opt.state) == 0
 
 
-def test_tensor_hyperparameters_on_the_host_only():
-    # betas / SGD weight_decay tensors are read on the host in step(): CPU tensors only (a CUDA one would sync).
+def test_tensor_hyperparameters_are_checked_like_torchs():
     with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
         FusedAdam(make_params(), betas=(torch.tensor(0.9), 0.99))
     with pytest.raises(ValueError, match="Tensor beta parameter at index 0 must be 1-element"):
         FusedAdam(make_params(), betas=(torch.tensor([0.9, 0.8]), torch.tensor(0.99)))
-    meta = torch.tensor(0.1, device="meta")
-    with pytest.raises(NotImplementedError, match="weight_decay as a meta tensor"):
-        FusedSGD(make_params(), weight_decay=meta)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.5"):
+        FusedAdam(make_params(), betas=(torch.tensor(0.9), torch.tensor(1.5)))
+    with pytest.raises(ValueError, match="Invalid weight_decay value: -0.5"):
+        FusedSGD(make_params(), weight_decay=torch.tensor(-0.5))
+    # A device the kernels cannot read from is refused at construction, with the argument named.
+    with pytest.raises(ValueError, match="weight_decay must be on the CPU or on the params' CUDA device.*meta"):
+        FusedSGD(make_params(), weight_decay=torch.tensor(0.1, device="meta"))
+    with pytest.raises(ValueError, match="must be real.*complex64"):
+        FusedAdam(make_params(), betas=(torch.tensor(0.9j), torch.tensor(0.99j)))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_tensor_hyperparameters_changed_in_place_are_read_by_each_step(name, dtype, device):
+    """A beta (or SGD's weight_decay) schedule written into the tensor between steps, as a scheduler would: the
+    update reads the tensor itself on the params' device, so each step sees the current value."""
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = make_params(device=device), make_params(device=device)
+    if name == "sgd":
+        knobs = [torch.tensor(0.1, dtype=dtype, device=device)]
+        opt_a = ours_cls(a, lr=0.05, momentum=0.9, weight_decay=knobs[0])
+        opt_b = theirs_cls(b, lr=0.05, momentum=0.9, weight_decay=float(knobs[0]), foreach=False)
+    else:
+        knobs = [torch.tensor(v, dtype=dtype, device=device) for v in (0.9, 0.99)]
+        opt_a = ours_cls(a, lr=0.01, betas=tuple(knobs))
+        opt_b = theirs_cls(b, lr=0.01, betas=tuple(float(x) for x in knobs), foreach=False)
+    for s, scale in enumerate((1.0, 0.5, 0.75, 0.25)):
+        for knob in knobs:
+            knob.mul_(scale)
+        # torch's reference gets the new values as floats
+        if name == "sgd":
+            opt_b.param_groups[0]["weight_decay"] = float(knobs[0])
+        else:
+            opt_b.param_groups[0]["betas"] = tuple(float(k) for k in knobs)
+        step_both(opt_a, a, opt_b, b, [s])
+
+
+@requires_cuda
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_tensor_hyperparameters_never_sync_the_host_in_step(where):
+    """CUDA params with tensor betas / weight_decay on the device (read by the kernel) or on the host (read
+    there, no device involved): step() makes no synchronizing call."""
+    p = make_params(device="cuda")
+    opts = [FusedAdamW(p, lr=torch.tensor(0.01, device="cuda"), capturable=True,
+                       betas=(torch.tensor(0.9, device=where), torch.tensor(0.99, device=where))),
+            FusedSGD(make_params(device="cuda"), lr=0.1, momentum=0.9, weight_decay=torch.tensor(0.01, device=where))]
+    for opt in opts:
+        ps = opt.param_groups[0]["params"]
+        fill_grads(ps, 0)
+        opt.step()  # state created
+        fill_grads(ps, 1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
 
 # ---- grads after scaler.step: what the update used, as torch's fused optimizers leave them ---------------
 @pytest.mark.parametrize("name", PAIRS)
-def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name):
+def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name, device):
     ours_cls, theirs_cls = PAIRS[name]
-    a, b = make_params(), make_params()
+    a, b = make_params(device=device), make_params(device=device)
     ours, theirs = ours_cls(a, lr=0.01), theirs_cls(b, lr=0.01, fused=True)
-    sa, sb = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sa, sb = torch.amp.GradScaler(device, init_scale=1024.0), torch.amp.GradScaler(device, init_scale=1024.0)
     for s, poison in ((0, False), (1, True), (2, False)):
-        sa.scale(torch.ones(()))  # the scalers start their scale; the grads below stand for scaled ones
-        sb.scale(torch.ones(()))
+        sa.scale(torch.ones((), device=device))  # the scalers start their scale; the grads below stand for scaled ones
+        sb.scale(torch.ones((), device=device))
         fill_grads(a, s)
         fill_grads(b, s)
         if poison:  # an overflow: the step is skipped and the grads stay as they were
@@ -403,12 +518,12 @@ def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name):
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_grads_after_a_clipping_mpfused_scaler_step_are_unscaled_and_clipped(name):
+def test_grads_after_a_clipping_mpfused_scaler_step_are_unscaled_and_clipped(name, device):
     import mpfused
-    p = make_params()
+    p = make_params(device=device)
     opt = PAIRS[name][0](p, lr=0.01)
-    scaler = mpfused.GradScaler("cpu", init_scale=256.0)
-    scaler.scale(torch.ones(()))
+    scaler = mpfused.GradScaler(device, init_scale=256.0)
+    scaler.scale(torch.ones((), device=device))
     fill_grads(p, 0)
     unscaled = [q.grad / 256.0 for q in p]
     norm = torch.linalg.vector_norm(torch.cat([u.flatten() for u in unscaled]))
@@ -418,3 +533,120 @@ def test_grads_after_a_clipping_mpfused_scaler_step_are_unscaled_and_clipped(nam
     scaler.step(opt)
     for q, e in zip(p, expected):
         torch.testing.assert_close(q.grad, e, atol=OPTIM_FP32_ATOL, rtol=0)
+
+
+# ---- memory layouts: any dense layout (channels_last, a transpose), as torch's optimizers take ------------
+LAYOUTS = {
+    "channels_last": lambda t: t.to(memory_format=torch.channels_last),
+    "transposed": lambda t: t.transpose(0, 3).contiguous().transpose(0, 3),  # dense, dims permuted
+    "channels_last_size1": lambda t: t[:, :1].to(memory_format=torch.channels_last),  # a size-1 dim
+}
+
+
+def conv_params(layout, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = LAYOUTS[layout](torch.randn(8, 4, 3, 3, generator=g)).to(device=device, dtype=dtype)
+    return [w.requires_grad_(), torch.randn(5, generator=g).to(device=device, dtype=dtype).requires_grad_()]
+
+
+def set_grads(params, seed, grad_layout=None):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        grad = torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype)
+        # By default the param's layout, as autograd gives a dense param's grad.
+        p.grad = grad_layout(grad) if grad_layout is not None and p.dim() == 4 else torch.empty_like(p).copy_(grad)
+
+
+OPT_KW = {"adam": dict(lr=0.01, weight_decay=0.1, amsgrad=True), "adamw": dict(lr=0.01, weight_decay=0.1),
+          "sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", PAIRS)
+def test_dense_layouts_step_like_torch_and_keep_state_in_the_params_layout(name, layout, device):
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = conv_params(layout, torch.float32, device), conv_params(layout, torch.float32, device)
+    assert not a[0].is_contiguous() or layout == "channels_last_size1"
+    ours, theirs = ours_cls(a, **OPT_KW[name]), theirs_cls(b, foreach=False, **OPT_KW[name])
+    step_both(theirs, b, ours, a, range(4), fill=set_grads)
+    for key, t in ours.state[a[0]].items():
+        if t.dim():
+            assert t.stride() == a[0].stride(), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_layout_changes_no_bit_of_the_result(name, dtype, device):
+    """The update is element-wise: the same values in channels_last or contiguous give the same bits, FP32
+    masters of FP16/BF16 params included; so does a param switched to channels_last mid-training (its state
+    follows it), and a grad whose layout differs from its param's."""
+    ours_cls = PAIRS[name][0]
+    a = conv_params("channels_last", dtype, device)
+    b = [p.detach().contiguous().requires_grad_() for p in a]
+    c = [p.detach().contiguous().requires_grad_() for p in a]
+    opts = [ours_cls(x, **OPT_KW[name]) for x in (a, b, c)]
+    for s in range(5):
+        if s == 2:  # as model.to(memory_format=torch.channels_last) does: the same Parameter, new data
+            c[0].data = c[0].data.to(memory_format=torch.channels_last)
+        set_grads(a, s)
+        set_grads(b, s)
+        set_grads(c, s, grad_layout=(lambda t: t.contiguous()) if s >= 2 else None)  # grad unlike its param
+        for opt in opts:
+            opt.step()
+        for pa, pb, pc in zip(a, b, c):
+            assert torch.equal(pa, pb) and torch.equal(pa, pc)
+        for key in ours_cls._state_float_keys:
+            if key in opts[0].state[a[0]]:
+                assert torch.equal(opts[0].state[a[0]][key], opts[1].state[b[0]][key]), key
+                assert opts[2].state[c[0]][key].stride() == c[0].stride(), key
+    assert c[0].is_contiguous(memory_format=torch.channels_last) and not c[0].is_contiguous()
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_grad_in_another_layout_gets_the_unscaled_values_written_back(name, device):
+    import mpfused
+    a = conv_params("channels_last", torch.float32, device)
+    opt = PAIRS[name][0](a, **OPT_KW[name])
+    scaler = mpfused.GradScaler(device, init_scale=64.0)
+    scaler.scale(torch.ones((), device=device))
+    set_grads(a, 0, grad_layout=lambda t: t.contiguous())
+    grad = a[0].grad
+    expected = grad / 64.0
+    scaler.step(opt)
+    assert a[0].grad is grad and grad.is_contiguous()  # the user's tensor, in its own layout
+    torch.testing.assert_close(grad, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_torch_state_dict_of_channels_last_params_loads_in_their_layout(name, device):
+    ours_cls, theirs_cls = PAIRS[name]
+    a, b = conv_params("channels_last", torch.float32, device), conv_params("channels_last", torch.float32, device)
+    theirs = theirs_cls(a, foreach=False, **OPT_KW[name])
+    set_grads(a, 0)
+    theirs.step()
+    with torch.no_grad():
+        for pa, pb in zip(a, b):
+            pb.copy_(pa)
+    ours = ours_cls(b, **OPT_KW[name])
+    sd = copy.deepcopy(theirs.state_dict())
+    for st in sd["state"].values():  # as torch.save/load gives it back: state may come contiguous
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                st[k] = v.contiguous()
+    ours.load_state_dict(sd)
+    for t in ours.state[b[0]].values():
+        if isinstance(t, torch.Tensor) and t.dim():
+            assert t.stride() == b[0].stride()
+    step_both(theirs, a, ours, b, range(1, 4), fill=set_grads)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_param_that_is_not_dense_is_refused_before_anything_is_written(name):
+    good = make_params()[0]
+    gappy = torch.randn(4, 12)[:, ::2].requires_grad_()
+    opt = PAIRS[name][0]([good, gappy], **OPT_KW[name])
+    fill_grads([good, gappy], 0)
+    before = good.detach().clone()
+    with pytest.raises(ValueError, match=r"param 1 of param group 0: params must be dense.*strides \(12, 2\)"):
+        opt.step()
+    assert torch.equal(good, before) and len(opt.state) == 0

@@ -33,11 +33,37 @@ MPF_HD float clip_coefficient(float sumsq, float max_norm) {
 // (1 - beta1, bias corrections, step size) are computed in double and rounded to FP32 once, where
 // torch rounds them (when a Python float meets an FP32 tensor).
 
+// A hyperparameter that torch lets be a one-element tensor (Adam's betas, SGD's weight_decay). When the
+// tensor lives on the device of the update, the update reads it there, so a step with tensor
+// hyperparameters needs no host sync (torch's fused optimizers read such tensors on the host). float32
+// and float64 tensors are read as they are: the value is the double torch's .item() would give.
+struct HyperRef {
+  const void* ptr;  // nullptr: the plain value in the Hyper struct is used
+  bool is_double;   // float64, else float32
+};
+
+MPF_HD double read_hyper(const HyperRef& r, double value) {
+  if (!r.ptr) return value;
+  return r.is_double ? *static_cast<const double*>(r.ptr) : static_cast<double>(*static_cast<const float*>(r.ptr));
+}
+
+// The tensor hyperparameters of one step (each may be absent).
+struct HyperRefs {
+  HyperRef beta1, beta2, weight_decay;
+};
+
 // ---- Adam / AdamW ----------------------------------------------------------------------------------
 struct AdamHyper {
   double beta1, beta2, eps, weight_decay;
   bool amsgrad, maximize, decoupled;  // decoupled: AdamW's decay of the weights, else L2 on the grad
 };
+
+// h with its tensor hyperparameters read (betas; Adam's weight_decay is a number in torch).
+MPF_HD AdamHyper resolve_hyper(AdamHyper h, const HyperRefs& r) {
+  h.beta1 = read_hyper(r.beta1, h.beta1);
+  h.beta2 = read_hyper(r.beta2, h.beta2);
+  return h;
+}
 
 // What one step of one tensor needs, derived from the hyperparameters, lr and the step number.
 struct AdamScalars {
@@ -115,6 +141,11 @@ struct SgdHyper {
   double momentum, dampening, weight_decay;
   bool nesterov, maximize;
 };
+
+MPF_HD SgdHyper resolve_hyper(SgdHyper h, const HyperRefs& r) {
+  h.weight_decay = read_hyper(r.weight_decay, h.weight_decay);
+  return h;
+}
 
 struct SgdScalars {
   float grad_sign, momentum, one_minus_dampening, weight_decay, neg_lr;

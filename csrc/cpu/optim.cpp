@@ -34,8 +34,11 @@ constexpr int64_t kGrain = int64_t{1} << 16;  // elements per thread before anot
 
 }  // namespace
 
-void optim_step_cpu(const OptimArgs& a, int num_threads) {
-  if (a.found_inf && *a.found_inf != 0.f) return;  // skipped: params, state and steps untouched
+void optim_step_cpu(const OptimArgs& args, int num_threads) {
+  if (args.found_inf && *args.found_inf != 0.f) return;  // skipped: params, state and steps untouched
+  OptimArgs a = args;  // with the tensor hyperparameters read (on the CPU, the host is the device)
+  a.adam = resolve_hyper(args.adam, args.hyper);
+  a.sgd = resolve_hyper(args.sgd, args.hyper);
   const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
 
   std::vector<AdamScalars> adam(static_cast<size_t>(a.num_tensors));

@@ -7,8 +7,10 @@
 // counter, zeroed once and left zeroed) the last block of each launch increments the steps of the
 // tensors that end in it, so a step is one launch per group; without one, a second small launch after
 // the updates increments them. Either way nothing is incremented when found_inf is set.
-// Nothing syncs with the host: lr, inv_scale, the clip coefficient, found_inf and the steps are read
-// on the device, so step() can be captured in a CUDA graph.
+// Nothing syncs with the host: lr, tensor betas and weight decay, inv_scale, the clip coefficient,
+// found_inf and the steps are read on the device, so step() can be captured in a CUDA graph.
+// Tensors may have any dense layout (channels_last, ...) as long as a param, its grad, master and state
+// share it: the update is element-wise, so each is read as a flat array.
 #include <cstdint>
 #include <vector>
 
@@ -43,6 +45,7 @@ struct OptimLaunch {
 struct OptimConsts {
   AdamHyper adam;
   SgdHyper sgd;
+  HyperRefs hyper;
   double lr;
   const float* lr_ptr;
   const float* inv_scale;
@@ -159,11 +162,13 @@ __device__ __forceinline__ void optim_block(const OptimLaunch& a, const OptimCon
   const float step = a.step[slot] ? *a.step[slot] : 0.f;
   TensorScalars ts;
   if constexpr (K == OptimKind::kAdam) {
-    ts.adam = adam_scalars(c.adam, lr, static_cast<double>(step) + 1.0);
-    ts.adam_variant = adam_variant(c.adam, ts.adam);
+    const AdamHyper h = resolve_hyper(c.adam, c.hyper);  // tensor betas are read here, on the device
+    ts.adam = adam_scalars(h, lr, static_cast<double>(step) + 1.0);
+    ts.adam_variant = adam_variant(h, ts.adam);
   } else {
-    ts.sgd = sgd_scalars(c.sgd, lr);
-    ts.sgd_variant = sgd_variant(c.sgd);
+    const SgdHyper h = resolve_hyper(c.sgd, c.hyper);
+    ts.sgd = sgd_scalars(h, lr);
+    ts.sgd_variant = sgd_variant(h);
   }
   ts.first_step = step == 0.f;
   const float gmul = unscale_factor(c.inv_scale, c.grad_scale);
@@ -209,7 +214,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
-  const OptimConsts consts{a.adam,      a.sgd,      a.lr,         a.lr_ptr,   a.inv_scale, a.grad_scale,
+  const OptimConsts consts{a.adam,      a.sgd,        a.hyper,    a.lr,        a.lr_ptr,     a.inv_scale, a.grad_scale,
                            a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf, a.write_grad, a.counter};
 
   OptimLaunch args;

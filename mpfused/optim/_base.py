@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 
+from .._layout import is_dense, like, same_layout
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -46,23 +48,38 @@ def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_ope
 
 
 def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
-                           where: str = "") -> None:
-    """A hyperparameter that may also be a one-element tensor (betas, SGD's weight_decay). Tensors are read
-    in step() on the host, so they must live in CPU memory (reading a CUDA tensor would sync the host)."""
+                           where: str = "", read_device: bool = True) -> None:
+    """A hyperparameter that may also be a one-element tensor (betas, SGD's weight_decay), on the CPU or on
+    the params' device (the update reads it there: no host sync in step()). A CPU tensor's value is checked
+    every time; a device tensor's only when ``read_device`` (at construction and in add_param_group, where
+    torch reads it too), never in step()."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element{where}")
-        if value.device.type != "cpu":
-            raise NotImplementedError(
-                f"{name} as a {value.device.type} tensor is not supported by the fused optimizers (step() would "
-                f"have to read it on the host); pass a float or a CPU tensor{where}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"Invalid {name}: a tensor {name} must be real, got {value.dtype}{where}")
+        if value.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"Invalid {name}: a tensor {name} must be on the CPU or on the params' CUDA device, "
+                             f"got one on {value.device}{where}")
+        if value.device.type != "cpu" and not read_device:
+            return
         value = value.item()
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
 
 
-def scalar(value) -> float:
-    """A checked hyperparameter as a Python float (a tensor here is a one-element CPU tensor)."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+def device_hyper(value, device: torch.device):
+    """A checked hyperparameter as the kernels take it on ``device``: a Python float, or a one-element
+    float32/float64 tensor on ``device`` that the update reads itself. A CPU tensor for a CUDA step is read on
+    the host (no sync); a tensor on another device is copied, asynchronously, to ``device``."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if value.device != device:
+        if value.device.type == "cpu":
+            return float(value.item())
+        value = value.to(device, non_blocking=True)
+    if value.dtype not in (torch.float32, torch.float64):
+        value = value.to(torch.float64)
+    return value
 
 
 def check_common_kwargs(foreach, fused, capturable, differentiable) -> None:
@@ -123,8 +140,9 @@ class FusedOptimizer(Optimizer):
             self.param_groups.pop(index)
             raise
 
-    def _check_group(self, group: dict, where: str) -> None:
-        """Raises for an invalid hyperparameter of ``group``; ``where`` ends the message."""
+    def _check_group(self, group: dict, where: str, in_step: bool = False) -> None:
+        """Raises for an invalid hyperparameter of ``group``; ``where`` ends the message. ``in_step``: the
+        values of tensor hyperparameters on a device are not read (that would sync the host)."""
         raise NotImplementedError
 
     # ---- state --------------------------------------------------------------------------------------
@@ -132,7 +150,9 @@ class FusedOptimizer(Optimizer):
         return p.dtype != torch.float32 and group.get("master_weights") is not False
 
     def _fp32_zeros(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        """FP32 zeros with p's memory layout (contiguous, channels_last, ...): the kernels read a param and
+        its state as flat arrays of the same element order."""
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
         state = self.state.get(p)
@@ -141,10 +161,16 @@ class FusedOptimizer(Optimizer):
         if not state:
             self._init_state(group, p, state)
         if self._wants_master(group, p) and "master_param" not in state:
-            state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+            state["master_param"] = like(p.detach(), p, torch.float32)
         if not self._wants_master(group, p):
             state.pop("master_param", None)
         self._complete_state(group, p, state)
+        for key in self._state_float_keys:
+            # A param whose layout changed since its state was made (model.to(memory_format=...)) gets its
+            # state in the new layout, once.
+            t = state.get(key)
+            if isinstance(t, torch.Tensor) and t.shape == p.shape and not same_layout(t, p):
+                state[key] = like(t, p, torch.float32)
         if state:  # no empty entries (SGD without momentum keeps no state, like torch)
             self.state[p] = state
         return state
@@ -168,8 +194,9 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"{where}: dtype {p.dtype} is not supported (expected float32, float16 or bfloat16)")
         if p.is_sparse:
             raise ValueError(f"{where}: sparse params are not supported")
-        if not p.is_contiguous():
-            raise ValueError(f"{where}: params must be contiguous (got strides {p.stride()} for shape {tuple(p.shape)})")
+        if not is_dense(p):
+            raise ValueError(f"{where}: params must be dense: contiguous, channels_last or another permutation of a "
+                             f"contiguous tensor (got strides {p.stride()} for shape {tuple(p.shape)})")
         g = p.grad
         if g.is_sparse:
             raise ValueError(f"{where}: sparse gradients are not supported by the fused optimizers")
@@ -198,7 +225,7 @@ class FusedOptimizer(Optimizer):
         # Everything is checked before anything (state included) is created or written.
         work = []
         for gi, group in enumerate(self.param_groups):
-            self._check_group(group, f" (param group {gi})")
+            self._check_group(group, f" (param group {gi})", in_step=True)
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
@@ -229,7 +256,9 @@ class FusedOptimizer(Optimizer):
                 buckets[p.device].append(p)
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
-                grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps]
+                # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
+                # goes through a copy in the param's layout.
+                grads = [p.grad if same_layout(p.grad, p) else like(p.grad, p, p.dtype) for p in ps]
                 inv, clip, found = device_scalars(device)
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
@@ -242,7 +271,7 @@ class FusedOptimizer(Optimizer):
                                  write_grad=write_grad)
                 if write_grad:
                     for p, g in zip(ps, grads):
-                        if g is not p.grad:  # a strided grad went through a contiguous copy
+                        if g is not p.grad:  # the grad went through a copy
                             p.grad.copy_(g)
         return loss
 
@@ -265,7 +294,10 @@ class FusedOptimizer(Optimizer):
         if key == "step":
             return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(())
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            # FP32 state stays FP32 (torch's loader would cast it to an FP16 param's dtype).
+            # FP32 state stays FP32 (torch's loader would cast it to an FP16 param's dtype), in the param's
+            # memory layout.
+            if value.shape == param.shape and is_dense(param):
+                return like(value, param, torch.float32)
             return value.to(device=param.device, dtype=torch.float32).contiguous()
         return value
 

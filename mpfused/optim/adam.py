@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, scalar
+from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, device_hyper
 
 
 class FusedAdam(FusedOptimizer):
@@ -39,14 +39,15 @@ class FusedAdam(FusedOptimizer):
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 
-    def _check_group(self, group, where) -> None:
+    def _check_group(self, group, where, in_step=False) -> None:
         check_lr(group["lr"], where)
         check_number("epsilon value", group["eps"], where=where)
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"Invalid betas: expected a pair, got {betas!r}{where}")
         for i, b in enumerate(betas):
-            check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=True, where=where)
+            check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=True, where=where,
+                                   read_device=not in_step)
         if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
             raise ValueError(f"betas must be either both floats or both Tensors{where}")
         check_number("weight_decay value", group["weight_decay"], where=where)
@@ -67,7 +68,8 @@ class FusedAdam(FusedOptimizer):
 
     def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
                     write_grad: bool = False) -> None:
-        beta1, beta2 = (scalar(b) for b in group["betas"])
+        device = params[0].device
+        beta1, beta2 = (device_hyper(b, device) for b in group["betas"])
         _ops.adam_step_(
             params, grads,
             [s.get("master_param") for s in states],

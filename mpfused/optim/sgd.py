@@ -9,7 +9,7 @@ import math
 import torch
 
 from .. import _ops
-from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, scalar
+from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, device_hyper
 
 
 class FusedSGD(FusedOptimizer):
@@ -34,11 +34,11 @@ class FusedSGD(FusedOptimizer):
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 
-    def _check_group(self, group, where) -> None:
+    def _check_group(self, group, where, in_step=False) -> None:
         check_lr(group["lr"], where)
         check_number("momentum value", group["momentum"], where=where)
         check_number("dampening value", group["dampening"], -math.inf, where=where)
-        check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where)
+        check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening" + where)
 
@@ -73,7 +73,7 @@ class FusedSGD(FusedOptimizer):
             [s.get("master_param") for s in states],
             [s["momentum_buffer"] for s in states] if momentum else [],
             [s["step"] for s in states] if momentum else [],
-            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=scalar(group["weight_decay"]),
+            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=device_hyper(group["weight_decay"], params[0].device),
             nesterov=group["nesterov"], maximize=group["maximize"],
             clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
             found_inf=found_inf, counter=counter, write_grad=write_grad, **unscale,

@@ -1,0 +1,33 @@
+"""Memory layouts that mpfused's element-wise kernels can take: a tensor whose elements fill one block of
+memory without overlap (contiguous in some order of its dims: contiguous, channels_last, a transpose of a
+contiguous tensor, ...). Element-wise work is free to read such a tensor as a flat array, provided every
+tensor it pairs with (grad, master weight, optimizer state) lays out its elements the same way."""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one block of memory without overlap (contiguous in some dim order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(t: torch.Tensor, ref: torch.Tensor) -> bool:
+    """True when t has ref's shape and the same stride in every dim of size > 1 (a size-1 dim's stride never
+    addresses memory), so that element i of both flat arrays is the same logical element."""
+    if t.shape != ref.shape:
+        return False
+    if t.stride() == ref.stride():
+        return True
+    return all(s == 1 or a == b for s, a, b in zip(ref.shape, t.stride(), ref.stride()))
+
+
+def like(value: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """value's elements as a new ``dtype`` tensor on ref's device with ref's memory layout (ref dense)."""
+    return torch.empty_like(ref, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
