@@ -99,8 +99,11 @@ def check_common_kwargs(foreach, fused, capturable, differentiable) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_plain_tensor(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+    return type(t) in _PLAIN_TYPES
 
 
 class FusedOptimizer(Optimizer):
@@ -160,16 +163,19 @@ class FusedOptimizer(Optimizer):
             state = {}
         if not state:
             self._init_state(group, p, state)
-        if self._wants_master(group, p) and "master_param" not in state:
-            state["master_param"] = like(p.detach(), p, torch.float32)
-        if not self._wants_master(group, p):
-            state.pop("master_param", None)
+        if self._wants_master(group, p):
+            if "master_param" not in state:
+                state["master_param"] = like(p.detach(), p, torch.float32)
+        elif "master_param" in state:
+            del state["master_param"]
         self._complete_state(group, p, state)
+        stride = p.stride()
         for key in self._state_float_keys:
             # A param whose layout changed since its state was made (model.to(memory_format=...)) gets its
-            # state in the new layout, once.
+            # state in the new layout, once. (State is made with the param's exact strides, so equal strides
+            # is the common case; same_layout also accepts other strides on size-1 dims.)
             t = state.get(key)
-            if isinstance(t, torch.Tensor) and t.shape == p.shape and not same_layout(t, p):
+            if t is not None and t.stride() != stride and t.shape == p.shape and not same_layout(t, p):
                 state[key] = like(t, p, torch.float32)
         if state:  # no empty entries (SGD without momentum keeps no state, like torch)
             self.state[p] = state
@@ -182,6 +188,15 @@ class FusedOptimizer(Optimizer):
         """State that a loaded dict or changed hyperparameters may lack."""
 
     # ---- validation (before anything is written) ----------------------------------------------------
+    @staticmethod
+    def _param_ok(p: torch.Tensor) -> bool:
+        """Everything _check_param asks, in one expression for the common case (step()'s host time per
+        param matters for models with many small tensors); False sends the param to _check_param."""
+        g = p.grad
+        return (type(p) in _PLAIN_TYPES and type(g) in _PLAIN_TYPES and p.dtype in SUPPORTED_DTYPES
+                and g.dtype == p.dtype and p.layout == torch.strided and g.layout == torch.strided
+                and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p)))
+
     @staticmethod
     def _check_param(where: str, p: torch.Tensor) -> None:
         if not is_plain_tensor(p) or not is_plain_tensor(p.grad):
@@ -229,7 +244,8 @@ class FusedOptimizer(Optimizer):
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
-                    self._check_param(f"param {i} of param group {gi}", p)
+                    if not self._param_ok(p):
+                        self._check_param(f"param {i} of param group {gi}", p)
                     params.append(p)
             work.append((group, params))
 
@@ -258,7 +274,8 @@ class FusedOptimizer(Optimizer):
                 states = [self._state_for(group, p) for p in ps]
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout.
-                grads = [p.grad if same_layout(p.grad, p) else like(p.grad, p, p.dtype) for p in ps]
+                grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
+                         for p, g in ((p, p.grad) for p in ps)]
                 inv, clip, found = device_scalars(device)
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
