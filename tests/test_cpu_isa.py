@@ -81,7 +81,7 @@ def test_unsupported_path_raises_naming_the_supported_ones():
 # subnormal and overflowing FP16 results), results saved bit for bit.
 KERNELS = """
 import sys, torch, mpfused
-from mpfused.optim import FusedAdamW, FusedSGD
+from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
 g = torch.Generator().manual_seed(7)
 out = {}
 for dt in (torch.float32, torch.float16, torch.bfloat16):
@@ -117,7 +117,8 @@ for inv in (2.0**-39, 2.0**-40, 2.0**-60, 2.0**63, 2.0**64, 3.0, 0.75):
         out[f"f16-edge-sumsq-{inv}-{part.numel()}-{float(part[0])}"] = [found, s]
 for dt in (torch.float16, torch.bfloat16):
     ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099)]
-    for opt in (FusedAdamW(ps, lr=1e-2, master_weights=True), FusedSGD(ps, lr=1e-2, momentum=0.9)):
+    for opt in (FusedAdamW(ps, lr=1e-2, master_weights=True), FusedSGD(ps, lr=1e-2, momentum=0.9),
+                FusedAdam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=False)):
         for i in range(3):
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g).to(dt)
