@@ -32,7 +32,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per
 
 from . import _ops
 from ._layout import is_dense
-from .optim._base import FusedOptimizer
+from .optim._base import FusedOptimizer, copy_to
 
 __all__ = ["GradScaler"]
 
@@ -244,7 +244,7 @@ class GradScaler(torch.amp.GradScaler):
                     s.add_(part if (unscale or inv is None) else part * inv * inv)
             found[device] = f
             if sumsq:
-                s = s.to(home, non_blocking=True)
+                s = copy_to(s, home)
                 total = s if total is None else total + s
                 norm = n
         if sumsq and total is None:  # no gradients at all: the norm is 0, as torch's clip_grad_norm_ says
@@ -267,10 +267,10 @@ class GradScaler(torch.amp.GradScaler):
             iter(found), torch.device("cpu")))
         flag = torch.zeros((), dtype=torch.float32, device=home)
         for f in found.values():
-            flag = torch.maximum(flag, f.to(home, non_blocking=True))
+            flag = torch.maximum(flag, copy_to(f, home))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
         for device in list(found):
-            found[device] = flag if device == home else flag.to(device, non_blocking=True)
+            found[device] = flag if device == home else copy_to(flag, device)
         if not found:  # a rank without grads still skips (or steps) with the others
             found[home] = flag
         if total is not None and self._grad_sharding == "sharded":
@@ -362,7 +362,7 @@ class GradScaler(torch.amp.GradScaler):
                 recorded[device] = torch.maximum(recorded[device], f) if device in recorded else f
         coef = self._clip_coef(total, max_norm)
         for device, grads in self._grads_by_device(params).items():
-            torch._foreach_mul_(grads, coef.to(device, non_blocking=True))
+            torch._foreach_mul_(grads, copy_to(coef, device))
         return norm
 
     @staticmethod
@@ -387,7 +387,7 @@ class GradScaler(torch.amp.GradScaler):
             self._check_inf_per_device(optimizer)
         found = list(state["found_inf_per_device"].values())
         if found:
-            optimizer.found_inf = found[0] if len(found) == 1 else sum(f.to(home, non_blocking=True) for f in found)
+            optimizer.found_inf = found[0] if len(found) == 1 else sum(copy_to(f, home) for f in found)
         if state["stage"] is not OptState.UNSCALED:
             optimizer._mpf_inv_scale = self._inv_scale
         clip = self._mpf_clip_states[id(optimizer)]
@@ -421,7 +421,7 @@ class GradScaler(torch.amp.GradScaler):
                 _scale.fill_(float(new_scale))
             self._inv_scale.copy_(_scale.double().reciprocal())
         else:
-            found = [f.to(home, non_blocking=True) for s in self._per_optimizer_states.values()
+            found = [copy_to(f, home) for s in self._per_optimizer_states.values()
                      for f in s["found_inf_per_device"].values()]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
@@ -445,7 +445,7 @@ class GradScaler(torch.amp.GradScaler):
             if self._enabled else []
         if current:
             home = self._scale.device
-            return sum(f.to(home, non_blocking=True) for f in current[1:]) + current[0] if len(current) > 1 else current[0]
+            return sum(copy_to(f, home) for f in current[1:]) + current[0] if len(current) > 1 else current[0]
         return self._last_found_inf
 
     def skipped_steps_async(self) -> Optional[torch.Tensor]:

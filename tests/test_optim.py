@@ -488,6 +488,22 @@ def test_a_tensor_hyperparameter_is_read_by_the_kernel_as_its_value(kind, key, v
     assert not torch.equal(_kernel_step(kind, device, **{key: t}), plain)
 
 
+def test_state_whose_strides_differ_only_on_size_one_dims_is_accepted(device):
+    """A (8, 1, 3, 3) param in channels_last has strides (9, 1, 3, 1); contiguous state and grad have
+    (9, 9, 3, 1). The stride of a size-1 dim never addresses memory, so both lay out their elements alike:
+    the kernel takes them, and the result equals the all-contiguous step bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    base, grad = (torch.randn(8, 1, 3, 3, generator=g).to(device) for _ in range(2))
+    results = []
+    for p in (base.clone(), base.clone().to(memory_format=torch.channels_last)):
+        m, v, step = torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros((), device=device)
+        mpfused._ops.adam_step_([p], [grad.clone()], [None], [m], [v], [], [step], lr=1e-2, beta1=0.9, beta2=0.999,
+                                eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True)
+        results.append(p)
+    assert results[1].stride() != grad.stride()
+    assert torch.equal(results[0], results[1])
+
+
 # ---- CUDA only (skipped without a GPU) -----------------------------------------------------------------
 @pytest.mark.cuda
 @requires_cuda

@@ -492,6 +492,21 @@ def test_tensor_hyperparameters_never_sync_the_host_in_step(where):
             torch.cuda.set_sync_debug_mode(0)
 
 
+@requires_cuda
+def test_cpu_params_with_cuda_hyperparameters_and_scaler_tensors_step_like_all_cpu_ones():
+    """A CPU step reads CUDA betas, lr, grad_scale and found_inf only after their copies to the host have
+    landed (a non-blocking device-to-host copy would race with the CPU kernel)."""
+    a, b = make_params(), make_params()
+    cuda = dict(lr=torch.tensor(0.01, device="cuda"), betas=(torch.tensor(0.8, device="cuda"),
+                                                             torch.tensor(0.95, device="cuda")))
+    ours = FusedAdamW(a, **cuda)
+    ref = FusedAdamW(b, lr=torch.tensor(0.01), betas=(torch.tensor(0.8), torch.tensor(0.95)))
+    for s in range(3):
+        ours.grad_scale, ours.found_inf = torch.full((), 4.0, device="cuda"), torch.zeros((), device="cuda")
+        ref.grad_scale, ref.found_inf = torch.full((), 4.0), torch.zeros(())
+        step_both(ours, a, ref, b, [s], atol=0.0)
+
+
 # ---- grads after scaler.step: what the update used, as torch's fused optimizers leave them ---------------
 @pytest.mark.parametrize("name", PAIRS)
 def test_grads_after_scaler_step_are_unscaled_like_torchs_fused_optimizer(name, device):

@@ -67,16 +67,24 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
 
 
+def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """t on ``device`` (and in ``dtype``): asynchronous towards an accelerator (no host sync), a finished
+    copy towards the CPU (a non-blocking device-to-host copy may not have landed when the CPU kernels or
+    the host read it)."""
+    return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
+
+
 def device_hyper(value, device: torch.device):
     """A checked hyperparameter as the kernels take it on ``device``: a Python float, or a one-element
     float32/float64 tensor on ``device`` that the update reads itself. A CPU tensor for a CUDA step is read on
-    the host (no sync); a tensor on another device is copied, asynchronously, to ``device``."""
+    the host (no sync); a tensor on another accelerator is copied, asynchronously, to ``device``; a CPU step reads a device tensor
+    on the host (that step syncs: CPU params with CUDA hyperparameters are an odd mix)."""
     if not isinstance(value, torch.Tensor):
         return float(value)
     if value.device != device:
-        if value.device.type == "cpu":
-            return float(value.item())
-        value = value.to(device, non_blocking=True)
+        if value.device.type == "cpu" or device.type == "cpu":
+            return float(value.item())  # a CPU value, or a CPU step that must read the device's anyway
+        value = copy_to(value, device)
     if value.dtype not in (torch.float32, torch.float64):
         value = value.to(torch.float64)
     return value
@@ -256,13 +264,13 @@ class FusedOptimizer(Optimizer):
                 # torch's scaler hands over the scale S itself; the kernel computes 1/S on the device.
                 unscale = {}
                 if inv_scale is not None:
-                    unscale["inv_scale"] = inv_scale.to(device, non_blocking=True)
+                    unscale["inv_scale"] = copy_to(inv_scale, device)
                 elif grad_scale is not None:
-                    unscale["grad_scale"] = grad_scale.to(device, dtype=torch.float32, non_blocking=True).reshape(1)
+                    unscale["grad_scale"] = copy_to(grad_scale, device, torch.float32).reshape(1)
                 per_device[device] = (
                     unscale,
-                    (clip[0].to(device, non_blocking=True), clip[1]) if clip is not None else None,
-                    found_inf.to(device, dtype=torch.float32, non_blocking=True).reshape(1) if found_inf is not None else None,
+                    (copy_to(clip[0], device), clip[1]) if clip is not None else None,
+                    copy_to(found_inf, device, torch.float32).reshape(1) if found_inf is not None else None,
                 )
             return per_device[device]
 
@@ -279,7 +287,7 @@ class FusedOptimizer(Optimizer):
                 inv, clip, found = device_scalars(device)
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
-                    lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+                    lr = copy_to(lr, device, torch.float32).reshape(1)
                 # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped),
                 # as torch's fused optimizers do: the kernel writes it in the same pass. A skipped step
                 # writes nothing.
