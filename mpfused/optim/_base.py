@@ -76,9 +76,10 @@ def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] 
 
 def device_hyper(value, device: torch.device):
     """A checked hyperparameter as the kernels take it on ``device``: a Python float, or a one-element
-    float32/float64 tensor on ``device`` that the update reads itself. A CPU tensor for a CUDA step is read on
-    the host (no sync); a tensor on another accelerator is copied, asynchronously, to ``device``; a CPU step reads a device tensor
-    on the host (that step syncs: CPU params with CUDA hyperparameters are an odd mix)."""
+    float32/float64 tensor on ``device`` that the update reads itself. A CPU tensor for a CUDA step is read
+    on the host (no sync); a tensor on another accelerator is copied, asynchronously, to ``device``; a CPU
+    step reads a device tensor on the host (that step syncs: CPU params with CUDA hyperparameters are an
+    odd mix)."""
     if not isinstance(value, torch.Tensor):
         return float(value)
     if value.device != device:
