@@ -110,7 +110,7 @@ def make_extension(version: str):
     ]
     # No -std flag: torch's build helper picks the standard its headers need (C++20 from torch 2.14).
     # The torch-free kernels are C++17 and compile under either.
-    # -ffp-contract=off: core/optim.h's explicitly rounded FP32 operations must not be fused into FMAs
+    # -ffp-contract=off: core/optim/'s explicitly rounded FP32 operations must not be fused into FMAs
     # (the AVX2+FMA code path would otherwise round differently from the CUDA kernels).
     # -fno-math-errno: lets sqrt vectorise; no result changes (only errno is no longer set).
     cxx = ["-O3", "-ffp-contract=off", "-fno-math-errno", *openmp_flags(), *define]

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 # The loops that isa_clones.inc compiles per path (function names inside namespace baseline/avx2/avx512).
-HOT_LOOPS = ["overflow_span", "optim_span", "epilogue", "widen_lines"]
+# A function counts as a hot loop when its symbol names one: the optimizer driver's loops may be compiled
+# into visit<..., update_span<...>::lambda> or update_span<...> depending on GCC's inlining.
+HOT_LOOPS = ["overflow_span", "update_span", "epilogue", "widen_lines"]
 SYMBOL = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 CLONE = re.compile(r"::(baseline|avx2|avx512)::(\w+)")
 
@@ -27,7 +29,8 @@ def register_use(so_path: str) -> dict[tuple[str, str], dict[str, int]]:
         m = SYMBOL.match(line)
         if m:
             c = CLONE.search(m.group(1))
-            current = use.setdefault((c.group(1), c.group(2)), {"insns": 0, "ymm": 0, "zmm": 0}) if c else None
+            fn = next((h for h in HOT_LOOPS if h in m.group(1)), c.group(2)) if c else None
+            current = use.setdefault((c.group(1), fn), {"insns": 0, "ymm": 0, "zmm": 0}) if c else None
         elif current is not None and "\t" in line:
             current["insns"] += 1
             current["ymm"] += "%ymm" in line

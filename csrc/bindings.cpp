@@ -213,8 +213,8 @@ float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device&
   return t.data_ptr<float>();
 }
 
-// A tensor hyperparameter (core/optim.h HyperRef): float32 or float64, one element, on the update's device.
-mpf::HyperRef hyper_ref(const std::optional<at::Tensor>& t, const std::string& name, const at::Device& device) {
+// A tensor hyperparameter (core/optim/common.h HyperRef): float32 or float64, one element, on the update's device.
+mpf::HyperRef hyper_ref(const at::Tensor* t, const std::string& name, const at::Device& device) {
   if (!t) return {nullptr, false};
   check_dense(*t, name);
   if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) || t->numel() != 1)
@@ -229,12 +229,12 @@ const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& li
   return list[i] ? &*list[i] : nullptr;
 }
 
-// Validates one (device, dtype) group and fills OptimArgs; raises before anything is written.
+// Validates one device's params with their grads, masters, states (the policy's kStates, of which the
+// step uses those in state_mask) and step counters; raises before anything is written.
 std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                                            const OptTensorList& state0, const OptTensorList& state1,
-                                            const OptTensorList& state2, const OptTensorList& steps,
-                                            const char* s0_name, const char* s1_name, const char* s2_name,
-                                            bool need_s0, bool need_s1, bool need_s2, at::Device& device) {
+                                            const std::vector<OptTensorList>& states, const char* const* state_names,
+                                            uint32_t state_mask, const OptTensorList& steps, bool need_step,
+                                            at::Device& device) {
   const size_t n = params.size();
   if (grads.size() != n) fail("grads must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(grads.size()));
   std::vector<mpf::OptimTensor> out;
@@ -262,19 +262,21 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     if (!same_layout(g, p))
       fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
            describe_layout(g));
-    const int64_t numel = p.numel();
-    mpf::OptimTensor t{p.data_ptr(), g.data_ptr(), nullptr, nullptr, nullptr, nullptr, nullptr, numel, d};
+    mpf::OptimTensor t{};
+    t.param = p.data_ptr();
+    t.grad = g.data_ptr();
+    t.numel = p.numel();
+    t.dtype = d;
     if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, p);
-    const at::Tensor* s0 = opt(state0, i, s0_name, n);
-    const at::Tensor* s1 = opt(state1, i, s1_name, n);
-    const at::Tensor* s2 = opt(state2, i, s2_name, n);
-    if (need_s0 && !s0) fail(std::string(s0_name) + idx + " is required");
-    if (need_s1 && !s1) fail(std::string(s1_name) + idx + " is required");
-    if (need_s2 && !s2) fail(std::string(s2_name) + idx + " is required");
-    if (s0) t.state0 = state_ptr(*s0, s0_name + idx, device, p);
-    if (s1) t.state1 = state_ptr(*s1, s1_name + idx, device, p);
-    if (s2) t.state2 = state_ptr(*s2, s2_name + idx, device, p);
-    if (const at::Tensor* st = opt(steps, i, "steps", n)) {
+    for (size_t k = 0; k < states.size(); ++k) {
+      const at::Tensor* s = opt(states[k], i, state_names[k], n);
+      if (!((state_mask >> k) & 1u)) continue;  // a state this step does not use is not touched
+      if (!s) fail(std::string(state_names[k]) + idx + " is required");
+      t.state[k] = state_ptr(*s, state_names[k] + idx, device, p);
+    }
+    const at::Tensor* st = opt(steps, i, "steps", n);
+    if (need_step) {
+      if (!st) fail("steps" + idx + " is required");
       check_scalar(*st, "steps" + idx, device);
       t.step = st->data_ptr<float>();
     }
@@ -293,8 +295,7 @@ void check_hyper(double v, const char* name, double lo, bool lo_open, double hi,
 }
 
 void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& lr_tensor,
-                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
-                 const std::optional<at::Tensor>& clip_sumsq, double max_norm,
+                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_sumsq, double max_norm,
                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                  const at::Device& device) {
   if (grad_scale) {
@@ -304,7 +305,7 @@ void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& 
   }
   if (clip_sumsq) {
     check_scalar(*clip_sumsq, "clip_sumsq", device);
-    check_hyper(max_norm, "max_norm", 0.0, false, INFINITY, false);
+    if (!(max_norm >= 0.0)) fail("max_norm must be >= 0 (infinite: no clipping), got " + std::to_string(max_norm));
     a.clip_sumsq = clip_sumsq->data_ptr<float>();
     a.max_norm = static_cast<float>(max_norm);
   }
@@ -316,10 +317,8 @@ void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& 
     check_hyper(lr, "lr", 0.0, false, INFINITY, false);
   }
   if (inv_scale) check_scalar(*inv_scale, "inv_scale", device);
-  if (clip_coef) check_scalar(*clip_coef, "clip_coef", device);
   if (found_inf) check_scalar(*found_inf, "found_inf", device);
   a.inv_scale = inv_scale ? inv_scale->data_ptr<float>() : nullptr;
-  a.clip_coef = clip_coef ? clip_coef->data_ptr<float>() : nullptr;
   a.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
 }
 
@@ -330,72 +329,86 @@ void run_optim(const mpf::OptimArgs& a, const at::Device& device) {
   }
 #ifdef MPFUSED_WITH_CUDA
   const c10::cuda::CUDAGuard guard(device);
-  mpf::optim_step_cuda(a, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  TorchScratch scratch{{}, device};
+  mpf::optim_step_cuda(a, mpf::ScratchAllocator{&scratch, &TorchScratch::alloc},
+                       c10::cuda::getCurrentCUDAStream(device.index()).stream());
 #endif
 }
 
-void adam_step_(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                const OptTensorList& exp_avgs, const OptTensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
-                const OptTensorList& steps, double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
-                double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
-                const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_coef,
-                const std::optional<at::Tensor>& clip_sumsq, double max_norm,
-                const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& counter, bool write_grad,
-                const std::optional<at::Tensor>& beta1_tensor, const std::optional<at::Tensor>& beta2_tensor) {
-  // A tensor beta is read by the update itself; its float argument is then ignored.
-  if (!beta1_tensor) check_hyper(beta1, "beta1", 0.0, false, 1.0, true);
-  if (!beta2_tensor) check_hyper(beta2, "beta2", 0.0, false, 1.0, true);
-  check_hyper(eps, "eps", 0.0, false, INFINITY, false);
-  check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
+// The policies' names, states and hyperparameters (core/optim/registry.h), for mpfused._ops.
+pybind11::dict optim_policies() {
+  pybind11::dict out;
+  mpf::dispatch_optim_all([&](auto policy) {
+    using P = decltype(policy);
+    pybind11::list states, hyper;
+    for (int k = 0; k < P::kNumStates; ++k) states.append(P::kStates[k]);
+    for (int i = 0; i < P::kNumHyper; ++i) hyper.append(P::kHyper[i].name);
+    pybind11::dict d;
+    d["states"] = states;
+    d["hyper"] = hyper;
+    out[P::kName] = d;
+  });
+  return out;
+}
+
+template <class P>
+void optim_step_with(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+                     const std::vector<OptTensorList>& states, const OptTensorList& steps, double lr,
+                     const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
+                     const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
+                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
+                     double max_norm, const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& counter, bool write_grad) {
+  const std::string where = std::string(" (") + P::kName + ")";
+  if (hyper.size() != static_cast<size_t>(P::kNumHyper))
+    fail("hyper must have " + std::to_string(P::kNumHyper) + " values" + where + ", got " + std::to_string(hyper.size()));
+  if (!hyper_tensors.empty() && hyper_tensors.size() != static_cast<size_t>(P::kNumHyper))
+    fail("hyper_tensors must be empty or have " + std::to_string(P::kNumHyper) + " entries" + where);
+  if (states.size() != static_cast<size_t>(P::kNumStates))
+    fail("states must have " + std::to_string(P::kNumStates) + " lists" + where + ", got " + std::to_string(states.size()));
+  // A value given as a tensor is read by the update itself (Python checks it); its number is ignored.
+  double values[mpf::kMaxHyper] = {};
+  for (int i = 0; i < P::kNumHyper; ++i) {
+    const mpf::HyperSpec& spec = P::kHyper[i];
+    values[i] = hyper[i];
+    if (hyper_tensors.empty() || !hyper_tensors[i]) check_hyper(values[i], spec.name, spec.lo, spec.lo_open, spec.hi, spec.hi_open);
+  }
+  const typename P::Hyper h = P::make(values);
+  if (const char* e = P::check(h)) fail(e);
   if (params.empty()) return;
+  // The states and the step count a step uses depend only on values that are never tensors.
+  const uint32_t flags = P::flags(h);
   at::Device device(at::kCPU);
-  auto tensors = optim_tensors(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, "exp_avgs",
-                               "exp_avg_sqs", "max_exp_avg_sqs", true, true, amsgrad, device);
-  for (size_t i = 0; i < tensors.size(); ++i)
-    if (!tensors[i].step) fail("steps[" + std::to_string(i) + "] is required for Adam");
+  auto tensors = optim_tensors(params, grads, masters, states, P::kStates, P::state_mask(flags), steps,
+                               P::needs_step(flags), device);
   mpf::OptimArgs a{};
-  a.kind = mpf::OptimKind::kAdam;
+  mpf::optim_kind(P::kName, &a.kind);
   a.tensors = tensors.data();
   a.num_tensors = static_cast<int64_t>(tensors.size());
-  a.adam = mpf::AdamHyper{beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled};
-  a.hyper.beta1 = hyper_ref(beta1_tensor, "beta1", device);
-  a.hyper.beta2 = hyper_ref(beta2_tensor, "beta2", device);
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
+  for (int i = 0; i < P::kNumHyper; ++i) {
+    a.hyper[i] = values[i];
+    if (!hyper_tensors.empty())
+      a.hyper_ref[i] = hyper_ref(hyper_tensors[i] ? &*hyper_tensors[i] : nullptr, P::kHyper[i].name, device);
+  }
+  fill_common(a, lr, lr_tensor, inv_scale, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
   a.write_grad = write_grad;
   run_optim(a, device);
 }
 
-void sgd_step_(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-               const OptTensorList& momentum_buffers, const OptTensorList& steps, double lr,
-               const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening, double weight_decay,
-               bool nesterov, bool maximize, const std::optional<at::Tensor>& inv_scale,
-               const std::optional<at::Tensor>& clip_coef, const std::optional<at::Tensor>& clip_sumsq,
-               double max_norm, const std::optional<at::Tensor>& found_inf,
-               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& counter, bool write_grad,
-               const std::optional<at::Tensor>& weight_decay_tensor) {
-  check_hyper(momentum, "momentum", 0.0, false, INFINITY, false);
-  check_hyper(dampening, "dampening", -INFINITY, false, INFINITY, false);
-  if (!weight_decay_tensor) check_hyper(weight_decay, "weight_decay", 0.0, false, INFINITY, false);
-  if (nesterov && (momentum <= 0.0 || dampening != 0.0)) fail("nesterov momentum requires a momentum and zero dampening");
-  if (params.empty()) return;
-  at::Device device(at::kCPU);
-  const OptTensorList none;
-  auto tensors = optim_tensors(params, grads, masters, momentum_buffers, none, none, steps, "momentum_buffers", "", "",
-                               momentum != 0.0, false, false, device);
-  for (size_t i = 0; i < tensors.size(); ++i)
-    if (momentum != 0.0 && !tensors[i].step) fail("steps[" + std::to_string(i) + "] is required for SGD with momentum");
-  mpf::OptimArgs a{};
-  a.kind = mpf::OptimKind::kSgd;
-  a.tensors = tensors.data();
-  a.num_tensors = static_cast<int64_t>(tensors.size());
-  a.sgd = mpf::SgdHyper{momentum, dampening, weight_decay, nesterov, maximize};
-  a.hyper.weight_decay = hyper_ref(weight_decay_tensor, "weight_decay", device);
-  fill_common(a, lr, lr_tensor, inv_scale, clip_coef, clip_sumsq, max_norm, found_inf, grad_scale, device);
-  a.counter = counter_ptr(counter, "counter", device);
-  a.write_grad = write_grad;
-  run_optim(a, device);
+void optim_step_(const std::string& kind, const TensorList& params, const TensorList& grads,
+                 const OptTensorList& masters, const std::vector<OptTensorList>& states, const OptTensorList& steps,
+                 double lr, const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
+                 const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
+                 double max_norm, const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& counter,
+                 bool write_grad) {
+  mpf::OptimKind k;
+  if (!mpf::optim_kind(kind.c_str(), &k)) fail("unknown optimizer policy '" + kind + "'");
+  mpf::dispatch_optim(k, [&](auto policy) {
+    optim_step_with<decltype(policy)>(params, grads, masters, states, steps, lr, lr_tensor, hyper, hyper_tensors,
+                                      inv_scale, grad_scale, clip_sumsq, max_norm, found_inf, counter, write_grad);
+  });
 }
 
 // ---- loss scaling --------------------------------------------------------------------------------------
@@ -710,8 +723,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");
-  m.def("adam_step_", &adam_step_, "Fused Adam/AdamW step over one device's params (see mpfused._ops).");
-  m.def("sgd_step_", &sgd_step_, "Fused SGD step over one device's params (see mpfused._ops).");
+  m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
+  m.def("optim_step_", &optim_step_, "Fused optimizer step of one policy over one device's params (see mpfused._ops).");
   m.def("loss_scale_update_", &loss_scale_update_, "Dynamic loss-scale update on the scaler's device tensors.");
   m.def("gemm", &gemm, pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("activation") = pybind11::none(), pybind11::arg("alpha") = 1.0, pybind11::arg("beta") = 0.0,

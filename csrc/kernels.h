@@ -14,7 +14,7 @@
 #include "core/loss_scale.h"
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
-#include "core/optim.h"
+#include "core/optim/registry.h"
 
 namespace mpf {
 
@@ -54,19 +54,17 @@ constexpr PlanLimits kCudaOverflowLimits{int64_t{1} << 16, 1024, int64_t{1} << 3
 void overflow_check_cpu(const OverflowArgs& args, int num_threads);
 
 // ---- fused optimizer step: unscale + inf-skip + update of FP32 masters + low-precision copy -------
-enum class OptimKind : int32_t { kAdam = 0, kSgd = 1 };
-
+// The algorithm is a policy of core/optim/ (OptimKind names it); one generic driver per backend applies it.
 struct OptimTensor {
-  void* param;        // the model's weight, FP32/FP16/BF16: written (rounded from the FP32 result)
-  void* grad;         // same dtype and numel as param; read, and written when OptimArgs::write_grad
-  float* master;      // FP32 master weight, or nullptr: then param is read, updated in FP32, written back
-  float* state0;      // Adam: exp_avg; SGD: momentum_buffer (nullptr without momentum)
-  float* state1;      // Adam: exp_avg_sq
-  float* state2;      // Adam with amsgrad: max_exp_avg_sq
-  float* step;        // one float: steps taken so far, += 1 when this step is taken (SGD: may be null
-                      // without momentum; with momentum, step == 0 means the buffer is not yet set)
+  void* param;               // the model's weight, FP32/FP16/BF16: written (rounded from the FP32 result)
+  void* grad;                // same dtype and numel as param; read, and written when OptimArgs::write_grad
+  float* master;             // FP32 master weight, or nullptr: then param is read, updated in FP32, written back
+  float* state[kMaxStates];  // the policy's FP32 states in its kStates order; nullptr where its state_mask
+                             //   says the step does not use one
+  float* step;               // one float: steps taken so far, += 1 when this step is taken; nullptr where
+                             //   the policy's needs_step is false
   int64_t numel;
-  DType dtype;        // of param and grad
+  DType dtype;               // of param and grad
 };
 
 struct OptimArgs {
@@ -75,23 +73,22 @@ struct OptimArgs {
   int64_t num_tensors;
   double lr;                   // used when lr_ptr is null
   const float* lr_ptr;         // nullptr, or one float on the device: the learning rate
-  AdamHyper adam;
-  SgdHyper sgd;
-  HyperRefs hyper;             // tensor hyperparameters on the device, read by the update (core/optim.h);
-                               //   each overrides its value in adam/sgd
+  double hyper[kMaxHyper];     // the policy's hyperparameters, in its kHyper order
+  HyperRef hyper_ref[kMaxHyper];  // per hyperparameter: nullptr, or a tensor on the device that the
+                               //   update reads instead of hyper[i] (core/optim/common.h)
   const float* inv_scale;      // nullptr, or one float: gradients are multiplied by it
   const float* grad_scale;     // nullptr, or one float (the loss scale S, as torch.amp.GradScaler hands
                                //   it over): gradients are multiplied by float(1 / S) computed in double
-  const float* clip_coef;      // nullptr, or one float: then also multiplied by it
-  const float* clip_sumsq;     // nullptr, or one float: the gradients' sum of squares; then also
-  float max_norm;              //   multiplied by clip_coefficient(*clip_sumsq, max_norm) (core/optim.h)
+  const float* clip_sumsq;     // nullptr, or one float: the sum of squares of the unscaled gradients of
+  float max_norm;              //   the whole step; they are then multiplied by clip_coefficient(*clip_sumsq,
+                               //   max_norm) (infinite max_norm: 1), and the policy sees their norm
   const float* found_inf;      // nullptr, or one float: != 0 skips the whole step (nothing is written)
   bool write_grad;             // a taken step writes the gradient it used (times the unscale factor and
-                               //   the clip coefficient, before maximize's sign) back into grad, as
-                               //   torch's fused optimizers do; a skipped step writes nothing
+                               //   the clip coefficient) back into grad, as torch's fused optimizers do;
+                               //   a skipped step writes nothing
   unsigned int* counter;       // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed:
-                               //   then the step counters are incremented by the update launch's last
-                               //   block instead of a second launch; one stream at a time
+                               //   then the step counters are incremented by the last launch's last
+                               //   block instead of a separate launch; one stream at a time
 };
 
 constexpr PlanLimits kCpuOptimLimits{int64_t{1} << 14, INT32_MAX, INT32_MAX};
@@ -145,7 +142,8 @@ void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_
 
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
-void optim_step_cuda(const OptimArgs& args, void* stream);
+// Scratch (per-tensor partial sums of two-pass policies) comes from `scratch`, on the stream.
+void optim_step_cuda(const OptimArgs& args, const ScratchAllocator& scratch, void* stream);
 void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
 // Throws std::runtime_error with a message for the user (e.g. BF16 on a GPU older than sm_80).
 void gemm_cuda(const GemmArgs& args, void* stream);

@@ -8,6 +8,7 @@ C++ ABI changes between releases, and a mismatch would otherwise surface as an o
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -120,49 +121,54 @@ def _lr_args(lr):
     return float(lr), None
 
 
-def _hyper_args(value):
-    """A hyperparameter that may be a one-element float32/float64 tensor on the params' device: then the
-    update reads it there (no host sync) and the float argument is ignored."""
-    if isinstance(value, torch.Tensor):
-        return 0.0, value
-    return float(value), None
+_POLICIES = {name: dict(spec) for name, spec in dict(_C.optim_policies()).items()}
 
 
-def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-               weight_decay, amsgrad, maximize, decoupled, inv_scale=None, clip_coef=None, clip_sumsq=None,
-               max_norm=0.0, found_inf=None, grad_scale=None, counter=None, write_grad=False) -> None:
-    """One fused Adam(W) step over params of one device (any mix of FP32/FP16/BF16): per element the
-    gradient times ``inv_scale`` (or ``1 / grad_scale``, computed on the device) and ``clip_coef``, the update of the FP32 weight (``masters[i]`` when
-    given, else the param itself) and FP32 moments, and the param stored in its dtype. When
-    ``found_inf`` != 0 nothing is written, steps included. With ``clip_sumsq`` (the sum of squares of the
-    unscaled gradients, on the device) the gradients are also multiplied by torch's clip coefficient
-    ``min(1, max_norm / (sqrt(clip_sumsq) + 1e-6))``, computed in the kernel. ``lr`` is a float or a one-element float32
-    tensor on the device. ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA
-    update's last block increments the step counters, so the step is one launch per group instead of two.
-    ``write_grad``: a taken step also writes the gradient it used (times the unscale factor and the clip
-    coefficient) back into ``grads``, as torch's fused optimizers leave p.grad unscaled; a skipped step
-    leaves them as they were. ``beta1``/``beta2`` are floats or one-element float32/float64 tensors on the
-    params' device, read by the update itself. Params may have any dense layout (channels_last, ...) that
-    their grads, masters and state share. Validates everything before writing anything."""
+def optim_policies() -> dict:
+    """The optimizer policies the kernels implement (csrc/core/optim/registry.h): for each name, its state
+    tensors and hyperparameters in kernel order."""
+    return {name: {k: list(v) for k, v in spec.items()} for name, spec in _POLICIES.items()}
+
+
+def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr, hyper: dict, inv_scale=None,
+                grad_scale=None, clip_sumsq=None, max_norm: float = math.inf, found_inf=None, counter=None,
+                write_grad: bool = False) -> None:
+    """One fused step of the optimizer ``policy`` ("adam", "sgd", "lamb", "lion") over params of one device
+    (any mix of FP32/FP16/BF16), in one pass per element (two for LAMB):
+
+    - the gradient times ``inv_scale`` (or ``1 / grad_scale``, computed on the device), and with
+      ``clip_sumsq`` (the sum of squares of the unscaled gradients, on the device) times torch's clip
+      coefficient ``min(1, max_norm / (sqrt(clip_sumsq) + 1e-6))`` (``max_norm`` infinite: 1; the policy
+      also sees the resulting norm, e.g. LAMB's max_grad_norm);
+    - the policy's update of the FP32 weight (``masters[i]`` when given, else the param itself) and of its
+      FP32 ``states`` (a dict: state name -> one tensor per param; names in ``optim_policies()``; a state the
+      step does not use may be omitted), and the param stored in its dtype;
+    - ``steps``: per param a float32 one-element tensor of steps taken, += 1 when the step is taken.
+
+    ``hyper``: every hyperparameter of the policy by name; a float, or (for those torch lets be tensors) a
+    one-element float32/float64 tensor on the params' device, read by the update itself. ``lr``: a float or
+    a one-element float32 tensor on the device. When ``found_inf`` != 0 nothing is written, steps included.
+    ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA update's last block
+    increments the step counters, sparing a launch. ``write_grad``: a taken step also writes the gradient
+    it used (unscaled and clipped) back into ``grads``, as torch's fused optimizers leave p.grad unscaled.
+    Params may have any dense layout (channels_last, ...) that their grads, masters and states share.
+    Validates everything before writing anything; never syncs the host with the device."""
+    spec = _POLICIES.get(policy)
+    if spec is None:
+        raise ValueError(f"unknown optimizer policy {policy!r}; expected one of {sorted(_POLICIES)}")
+    names = spec["hyper"]
+    if set(hyper) != set(names):
+        raise ValueError(f"hyper for {policy!r} must give exactly {names}; missing {sorted(set(names) - set(hyper))}, "
+                         f"unknown {sorted(set(hyper) - set(names))}")
+    unknown = set(states) - set(spec["states"])
+    if unknown:
+        raise ValueError(f"unknown states for {policy!r}: {sorted(unknown)} (expected some of {spec['states']})")
+    values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
+    tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
-    (b1, b1_tensor), (b2, b2_tensor) = _hyper_args(beta1), _hyper_args(beta2)
-    _C.adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_value, lr_tensor,
-                  b1, b2, float(eps), float(weight_decay), bool(amsgrad), bool(maximize),
-                  bool(decoupled), inv_scale, clip_coef, clip_sumsq, float(max_norm), found_inf, grad_scale, counter,
-                  bool(write_grad), b1_tensor, b2_tensor)
-
-
-def sgd_step_(params, grads, masters, momentum_buffers, steps, *, lr, momentum, dampening, weight_decay, nesterov,
-              maximize, inv_scale=None, clip_coef=None, clip_sumsq=None, max_norm=0.0, found_inf=None,
-              grad_scale=None, counter=None, write_grad=False) -> None:
-    """One fused SGD step; see :func:`adam_step_`. ``steps[i] == 0`` marks a momentum buffer that was
-    never written (torch then sets it to the gradient itself). ``weight_decay`` may be a tensor, as the betas
-    of :func:`adam_step_`."""
-    lr_value, lr_tensor = _lr_args(lr)
-    wd, wd_tensor = _hyper_args(weight_decay)
-    _C.sgd_step_(params, grads, masters, momentum_buffers, steps, lr_value, lr_tensor, float(momentum),
-                 float(dampening), wd, bool(nesterov), bool(maximize), inv_scale, clip_coef,
-                 clip_sumsq, float(max_norm), found_inf, grad_scale, counter, bool(write_grad), wd_tensor)
+    _C.optim_step_(policy, params, grads, masters, [list(states.get(n, ())) for n in spec["states"]], steps,
+                   lr_value, lr_tensor, values, tensors if any(t is not None for t in tensors) else [], inv_scale,
+                   grad_scale, clip_sumsq, float(max_norm), found_inf, counter, bool(write_grad))
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,

@@ -32,7 +32,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per
 
 from . import _ops
 from ._layout import is_dense
-from .optim._base import FusedOptimizer, copy_to
+from .optim._base import FusedOptimizer, StepScaling, copy_to
 
 __all__ = ["GradScaler"]
 
@@ -386,19 +386,12 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY and not state["found_inf_per_device"]:
             self._check_inf_per_device(optimizer)
         found = list(state["found_inf_per_device"].values())
-        if found:
-            optimizer.found_inf = found[0] if len(found) == 1 else sum(copy_to(f, home) for f in found)
-        if state["stage"] is not OptState.UNSCALED:
-            optimizer._mpf_inv_scale = self._inv_scale
         clip = self._mpf_clip_states[id(optimizer)]
-        if clip["max_norm"] is not None:
-            optimizer._mpf_clip = (clip["sumsq"], clip["max_norm"])
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            for attr in ("found_inf", "_mpf_inv_scale", "_mpf_clip"):
-                if attr in optimizer.__dict__:
-                    delattr(optimizer, attr)
+        scaling = StepScaling(
+            inv_scale=self._inv_scale if state["stage"] is not OptState.UNSCALED else None,
+            found_inf=(found[0] if len(found) == 1 else sum(copy_to(f, home) for f in found)) if found else None,
+            clip=(clip["sumsq"], clip["max_norm"]) if clip["max_norm"] is not None else None)
+        retval = optimizer.step(*args, scaling=scaling, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
 

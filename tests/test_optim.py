@@ -420,6 +420,13 @@ def test_bad_params_and_grads_raise_before_anything_is_written():
         assert torch.equal(good, before) and not opt.state[good]
 
 
+def adam_kernel(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, found_inf=None,
+                **hyper):
+    """The kernel entry for the adam policy, with the state lists by position."""
+    states = dict(exp_avg=exp_avgs, exp_avg_sq=exp_avg_sqs, max_exp_avg_sq=max_exp_avg_sqs)
+    mpfused._ops.optim_step_("adam", params, grads, masters, states, steps, lr=lr, hyper=hyper, found_inf=found_inf)
+
+
 def test_kernel_entry_validates_shapes_devices_and_state():
     p, g = torch.randn(6), torch.randn(6)
     z = lambda: torch.zeros(6)  # noqa: E731
@@ -429,15 +436,17 @@ def test_kernel_entry_validates_shapes_devices_and_state():
         (dict(grads=[torch.randn(5)]), r"grads\[0\] must have its param's shape"),
         (dict(grads=[torch.randn(6).half()]), r"grads\[0\] must have its param's dtype"),
         (dict(grads=[torch.randn(6, device="meta")]), r"grads\[0\] must be on its param's device"),
-        (dict(exp_avgs=[torch.zeros(6).half()]), r"exp_avgs\[0\] must be float32"),
-        (dict(exp_avgs=[torch.zeros(5)]), r"exp_avgs\[0\] must have its param's shape"),
+        (dict(exp_avgs=[torch.zeros(6).half()]), r"exp_avg\[0\] must be float32"),
+        (dict(exp_avgs=[torch.zeros(5)]), r"exp_avg\[0\] must have its param's shape"),
+        (dict(exp_avg_sqs=[]), r"exp_avg_sq\[0\] is required"),
+        (dict(steps=[]), r"steps\[0\] is required"),
         (dict(steps=[torch.zeros(2)]), r"steps\[0\] must be a float32 tensor with one element"),
         (dict(masters=[torch.zeros(6, device="meta")]), r"masters\[0\] must be on cpu"),
         (dict(found_inf=torch.zeros(1).half()), r"found_inf must be a float32"),
         (dict(beta1=float("nan")), r"invalid beta1"),
         (dict(params=[torch.randn(6, 2)[:, 0]], grads=[torch.randn(6)]), r"params\[0\] must be dense"),
         (dict(grads=[torch.randn(6, 2)[:, 0]]), r"grads\[0\] must have its param's memory layout"),
-        (dict(exp_avgs=[torch.zeros(6, 2)[:, 0]]), r"exp_avgs\[0\] must have its param's memory layout"),
+        (dict(exp_avgs=[torch.zeros(6, 2)[:, 0]]), r"exp_avg\[0\] must have its param's memory layout"),
         (dict(beta1=torch.tensor(0.9, dtype=torch.float16)), r"beta1 must be a float32 or float64 tensor"),
         (dict(beta2=torch.tensor([0.9, 0.9])), r"beta2 must be a float32 or float64 tensor with one element"),
         (dict(beta2=torch.tensor(0.9, device="meta")), r"beta2 must be on cpu like the params"),
@@ -449,9 +458,9 @@ def test_kernel_entry_validates_shapes_devices_and_state():
         args.update(override)
         before = p.clone()
         with pytest.raises(ValueError, match=message):
-            mpfused._ops.adam_step_(args.pop("params"), args.pop("grads"), args.pop("masters"), args.pop("exp_avgs"),
-                                    args.pop("exp_avg_sqs"), args.pop("max_exp_avg_sqs"), args.pop("steps"),
-                                    found_inf=found_inf, **args)
+            adam_kernel(args.pop("params"), args.pop("grads"), args.pop("masters"), args.pop("exp_avgs"),
+                        args.pop("exp_avg_sqs"), args.pop("max_exp_avg_sqs"), args.pop("steps"),
+                        found_inf=found_inf, **args)
         assert torch.equal(p, before) and step.item() == 0.0
 
 
@@ -465,11 +474,12 @@ def _kernel_step(kind, device, **hyper):
         kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
                   decoupled=True)
         kw.update(hyper)
-        mpfused._ops.adam_step_([p], [grad], [None], [z() + 0.1], [z() + 0.2], [], [step], **kw)
+        adam_kernel([p], [grad], [None], [z() + 0.1], [z() + 0.2], [], [step], **kw)
     else:
         kw = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
         kw.update(hyper)
-        mpfused._ops.sgd_step_([p], [grad], [None], [z() + 0.1], [step], **kw)
+        lr = kw.pop("lr")
+        mpfused._ops.optim_step_("sgd", [p], [grad], [None], dict(momentum_buffer=[z() + 0.1]), [step], lr=lr, hyper=kw)
     return p
 
 
@@ -497,8 +507,8 @@ def test_state_whose_strides_differ_only_on_size_one_dims_is_accepted(device):
     results = []
     for p in (base.clone(), base.clone().to(memory_format=torch.channels_last)):
         m, v, step = torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros((), device=device)
-        mpfused._ops.adam_step_([p], [grad.clone()], [None], [m], [v], [], [step], lr=1e-2, beta1=0.9, beta2=0.999,
-                                eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True)
+        adam_kernel([p], [grad.clone()], [None], [m], [v], [], [step], lr=1e-2, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True)
         results.append(p)
     assert results[1].stride() != grad.stride()
     assert torch.equal(results[0], results[1])
@@ -533,3 +543,90 @@ def test_cuda_step_is_sync_free_two_launches_and_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert opt.state[params[0]]["step"].item() == step_before + 1
+
+
+# ---- the scaler interface and the exported base ------------------------------------------------------
+def test_mpfused_scaler_hands_a_step_scaling_to_step_and_sets_nothing_on_the_optimizer(device):
+    """mpfused.GradScaler talks to the optimizer through step(scaling=StepScaling(...)), not through
+    attributes set on it from outside; the step it drives equals one given the same scaling by hand."""
+    from mpfused.optim import StepScaling
+
+    model = mlp(device)
+    ref = copy.deepcopy(model)
+    opt, opt_ref = FusedAdamW(model.parameters(), lr=1e-2), FusedAdamW(ref.parameters(), lr=1e-2)
+    scaler = mpfused.GradScaler(device, init_scale=2.0**8)
+    seen = []
+    step = opt.step
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("scaling"), set(vars(opt)) - before))
+        return step(*args, **kwargs)
+
+    before = set(vars(opt)) | {"step"}
+    opt.step = spy
+    (x, y), = batches(device, 1)
+    for m in (model, ref):
+        m.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    torch.nn.functional.cross_entropy(ref(x), y).mul(2.0**8).backward()
+    total = scaler.clip_grad_norm_(opt, 0.5)
+    scaler.step(opt)
+    (scaling, added), = seen
+    assert isinstance(scaling, StepScaling) and added == set()
+    assert scaling.inv_scale is not None and scaling.found_inf is not None and scaling.clip[1] == 0.5
+    assert not any(k.startswith("_mpf_") and k != "_mpf_counters" for k in vars(opt))
+    sumsq = torch.stack([p.grad.float().pow(2).sum() for p in ref.parameters()]).sum() / 2.0**16
+    opt_ref.step(scaling=StepScaling(inv_scale=torch.tensor([2.0**-8], device=device),
+                                     found_inf=torch.zeros(1, device=device), clip=(sumsq.reshape(1), 0.5)))
+    assert torch.allclose(total, sumsq.sqrt())
+    assert_params_close(model, ref)
+
+
+def test_step_scaling_rejects_bad_values_before_any_step():
+    from mpfused.optim import StepScaling
+
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="inv_scale or grad_scale, not both"):
+        StepScaling(inv_scale=one, grad_scale=one)
+    with pytest.raises(TypeError, match="StepScaling.found_inf must be a one-element tensor"):
+        StepScaling(found_inf=torch.zeros(2))
+    with pytest.raises(TypeError, match="StepScaling.clip must be"):
+        StepScaling(clip=(one, -1.0))
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match="scaling must be a mpfused.optim.StepScaling"):
+        FusedAdamW([p]).step(scaling={"inv_scale": one})
+    assert torch.equal(p, torch.ones(3))
+
+
+def test_a_subclass_of_the_exported_base_is_an_optimizer_over_a_kernel_policy(device):
+    """FusedOptimizer is public: a subclass naming a policy and defining its hyperparameters and state is
+    a working optimizer (here a plain Adam without weight decay, against torch's)."""
+    from mpfused.optim import FusedOptimizer
+
+    class PlainAdam(FusedOptimizer):
+        _policy = "adam"
+        _state_float_keys = ("exp_avg", "exp_avg_sq", "master_param")
+
+        def __init__(self, params, lr=1e-3):
+            super().__init__(params, dict(lr=lr))
+
+        def _check_group(self, group, where, in_step=False):
+            if not group["lr"] >= 0:
+                raise ValueError(f"Invalid learning rate: {group['lr']}{where}")
+
+        def _init_state(self, group, p, state):
+            state["step"] = torch.zeros((), device=p.device)
+            state["exp_avg"], state["exp_avg_sq"] = self._fp32_zeros(p), self._fp32_zeros(p)
+
+        def _hyper(self, group, device):
+            return dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
+                        decoupled=False)
+
+    model = mlp(device)
+    ref = copy.deepcopy(model)
+    data = batches(device, 4)
+    losses = train(model, PlainAdam(model.parameters(), lr=1e-2), data)
+    ref_losses = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), data)
+    assert losses == pytest.approx(ref_losses, rel=OPTIM_LOSS_RTOL)
+    assert_params_close(model, ref)

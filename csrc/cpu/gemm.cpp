@@ -9,10 +9,6 @@
 #include "../kernels.h"
 #include "isa.h"
 
-#if MPF_HAVE_AVX2_CLONES
-#include <immintrin.h>
-#endif
-
 namespace mpf {
 namespace {
 
@@ -45,7 +41,7 @@ void gemm_epilogue_cpu(const float* acc, const GemmArgs& g, int num_threads) {
     }
   }
   const int64_t total = g.batch * g.m * g.n;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
+  const int threads = cpu_threads(num_threads, total, kGrain);
   MPF_CPU_DISPATCH(run(acc, g, bias, threads));
 }
 
@@ -55,7 +51,7 @@ void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_
   const int64_t lines = src.col_major ? cols : rows;
   const int64_t len = src.col_major ? rows : cols;
   const int64_t total = batch * rows * cols;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), total / kGrain)));
+  const int threads = cpu_threads(num_threads, total, kGrain);
   MPF_CPU_DISPATCH(widen(src, batch, lines, len, dst, threads));
 }
 

@@ -5,6 +5,7 @@
 // named by the environment variable MPFUSED_CPU_ISA (scalar|avx2|avx512|auto), read once.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -15,6 +16,10 @@
 #else
 #define MPF_HAVE_AVX2_CLONES 0
 #define MPF_HAVE_AVX512_CLONES 0
+#endif
+
+#if MPF_HAVE_AVX2_CLONES
+#include <immintrin.h>  // the explicit intrinsics of the avx2 and avx512 clones
 #endif
 
 namespace mpf {
@@ -77,6 +82,13 @@ inline CpuIsa parse_cpu_isa(const char* value) {
   }
   throw std::invalid_argument("MPFUSED_CPU_ISA='" + v + "' is not a CPU path; expected one of auto, scalar, avx2, avx512"
                               " (supported here: " + cpu_supported_isas() + ")");
+}
+
+// Threads worth waking for `total` elements: at least `grain` elements each (a small list is not worth
+// waking, or waiting for, a team; a busy core would stall every call), at most num_threads.
+inline int cpu_threads(int num_threads, int64_t total, int64_t grain) {
+  const int64_t by_work = total / grain;
+  return static_cast<int>(by_work < 1 ? 1 : by_work < num_threads ? by_work : (num_threads < 1 ? 1 : num_threads));
 }
 
 // The path every CPU kernel uses, chosen once from MPFUSED_CPU_ISA (a bad value throws on every call).

@@ -12,10 +12,6 @@
 #include "../kernels.h"
 #include "isa.h"
 
-#if MPF_HAVE_AVX2_CLONES
-#include <immintrin.h>
-#endif
-
 namespace mpf {
 namespace {
 

@@ -1,20 +1,26 @@
-// CUDA backend of the fused optimizer step: unscale + inf-skip + Adam(W)/SGD update of the FP32 master
-// (or FP32 param) + store of the low-precision param, in one pass over each element.
+// CUDA backend of the fused optimizer step: the generic multi-tensor driver that applies any policy of
+// core/optim/ (unscale + inf-skip + update of the FP32 master or FP32 param and the states + store of the
+// param in its dtype), in one pass over each element; two for policies with a per-tensor reduction.
 //
 // One launch covers a param group's tensors on one device (up to kMaxTensors, any sizes; longer lists
 // are split by core/multi_tensor_plan.h). The update reads the step count at its start and uses
 // step + 1, so the increment must wait for every block: with a counter lent by the caller (OptimArgs::
 // counter, zeroed once and left zeroed) the last block of each launch increments the steps of the
-// tensors that end in it, so a step is one launch per group; without one, a second small launch after
-// the updates increments them. Either way nothing is incremented when found_inf is set.
-// Nothing syncs with the host: lr, tensor betas and weight decay, inv_scale, the clip coefficient,
-// found_inf and the steps are read on the device, so step() can be captured in a CUDA graph.
-// Tensors may have any dense layout (channels_last, ...) as long as a param, its grad, master and state
-// share it: the update is element-wise, so each is read as a flat array.
+// tensors that end in it, so a step is one launch per group (two with a reduction); without one, a
+// separate small launch after the updates increments them. Nothing is incremented when found_inf is set.
+//
+// A two-pass policy: pass 1 writes each block's sums (a fixed-order block reduction, in double) to scratch
+// memory; in pass 2 every block of a tensor adds that tensor's partials in the same fixed order, so all
+// its blocks derive the same factor without a third launch, and the result does not depend on timing.
+//
+// Nothing syncs with the host: lr, tensor hyperparameters, inv_scale, the clip sum of squares, found_inf
+// and the steps are read on the device, so step() can be captured in a CUDA graph. Tensors may have any
+// dense layout (channels_last, ...) as long as a param, its grad, master and states share it: the update
+// is element-wise, so each is read as a flat array.
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
-#include "../core/optim.h"
 #include "../kernels.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
@@ -27,14 +33,15 @@ constexpr int kVec = 4;  // elements per thread per iteration: 16-byte FP32 and 
 constexpr int kMaxTensors = static_cast<int>(kCudaOptimLimits.max_tensors);
 constexpr int64_t kChunk = kCudaOptimLimits.chunk_size;
 constexpr int kMaxSteps = 3900;  // step pointers per increment launch
+constexpr int kMaxSums = 4;      // per-tensor sums of a two-pass policy
+
+enum class Pass { kUpdate, kReduce, kApply };
 
 struct OptimLaunch {
   void* param[kMaxTensors];
   void* grad[kMaxTensors];
   float* master[kMaxTensors];
-  float* state0[kMaxTensors];
-  float* state1[kMaxTensors];
-  float* state2[kMaxTensors];
+  float* state[kMaxStates][kMaxTensors];
   float* step[kMaxTensors];
   int64_t numel[kMaxTensors];
   WorkIndex<kMaxTensors> work;
@@ -43,19 +50,18 @@ struct OptimLaunch {
 };
 
 struct OptimConsts {
-  AdamHyper adam;
-  SgdHyper sgd;
-  HyperRefs hyper;
+  double hyper[kMaxHyper];
+  HyperRef hyper_ref[kMaxHyper];
   double lr;
   const float* lr_ptr;
   const float* inv_scale;
   const float* grad_scale;
-  const float* clip_coef;
   const float* clip_sumsq;
   float max_norm;
   const float* found_inf;
   bool write_grad;
-  unsigned int* counter;
+  unsigned int* counter;  // the final pass's last block increments the steps
+  double* partial;        // two-pass policies: [item][sum] of this launch
 };
 static_assert(kChunk % kVec == 0, "chunks must keep vector alignment");
 static_assert(sizeof(OptimLaunch) + sizeof(OptimConsts) <= 32764, "launch arguments exceed 32 KB");
@@ -71,135 +77,195 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// Per-tensor values shared by the block: the update's scalars and whether SGD's buffer is unset.
-struct TensorScalars {
-  AdamScalars adam;
-  AdamRuntimeVariant adam_variant;
-  SgdScalars sgd;
-  SgdRuntimeVariant sgd_variant;
-  bool first_step;
+// What the block's elements share: the policy's per-tensor scalars and flags, the gradient factors.
+template <class P>
+struct BlockConsts {
+  typename P::Scalars sc;
+  RuntimeFlags f;
+  float gmul, clip;
+  float factor;  // pass 2: the tensor's factor from its sums
 };
 
-template <OptimKind K>
-__device__ __forceinline__ void update(float& p, float& s0, float& s1, float& s2, float g, const OptimConsts& c,
-                                       const TensorScalars& ts) {
-  if constexpr (K == OptimKind::kAdam) adam_update(p, s0, s1, s2, g, ts.adam_variant, ts.adam);
-  else sgd_update(p, s0, g, ts.sgd_variant, ts.sgd, ts.first_step);
+template <class P>
+__device__ __forceinline__ BlockConsts<P> block_consts(const OptimLaunch& a, const OptimConsts& c, int slot) {
+  double v[kMaxHyper];
+#pragma unroll
+  for (int i = 0; i < P::kNumHyper; ++i) v[i] = read_hyper(c.hyper_ref[i], c.hyper[i]);  // tensor values, on the device
+  const typename P::Hyper h = P::make(v);
+  BlockConsts<P> b;
+  b.gmul = unscale_factor(c.inv_scale, c.grad_scale);
+  b.clip = 1.f;
+  double grad_norm = -1.0;
+  if (c.clip_sumsq) {
+    b.clip = clip_coefficient(*c.clip_sumsq, c.max_norm);
+    grad_norm = sqrt(static_cast<double>(*c.clip_sumsq)) * b.clip;
+  }
+  const double lr = c.lr_ptr ? static_cast<double>(*c.lr_ptr) : c.lr;
+  const float taken = a.step[slot] ? *a.step[slot] : 0.f;
+  b.sc = P::scalars(h, StepContext{lr, static_cast<double>(taken) + 1.0, grad_norm});
+  b.f = RuntimeFlags{P::flags(h)};
+  b.factor = 0.f;
+  return b;
 }
 
-template <DType D, OptimKind K>
+// One element: the gradient as stored in, the gradient used out (for write_grad).
+template <class P, Pass kPass>
+__device__ __forceinline__ float element(float& p, float* s, float graw, const BlockConsts<P>& b, float* acc) {
+  if constexpr (kPass == Pass::kApply) {
+    P::apply(p, s, b.f, b.sc, b.factor);
+    return 0.f;
+  } else {
+    const float g = fmul(fmul(graw, b.gmul), b.clip);
+    if constexpr (kPass == Pass::kUpdate) {
+      P::update(p, s, g, b.f, b.sc);
+    } else {
+      float terms[P::kNumSums];
+      P::reduce(p, s, g, b.f, b.sc, terms);
+#pragma unroll
+      for (int k = 0; k < P::kNumSums; ++k) acc[k] = fadd(acc[k], terms[k]);
+    }
+    return g;
+  }
+}
+
+template <class P, DType D, Pass kPass>
 __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, int64_t begin, int64_t n,
-                                              const OptimConsts& c, const TensorScalars& ts, float gmul,
-                                              float clip) {
+                                              const OptimConsts& c, const BlockConsts<P>& b, float* acc) {
   using S = Storage<D>;
   using T = typename S::type;
+  constexpr bool kReadGrad = kPass != Pass::kApply;
+  constexpr bool kWriteParam = kPass != Pass::kReduce;
+  constexpr bool kWriteState = kPass != Pass::kApply;
   T* param = static_cast<T*>(a.param[slot]) + begin;
   T* grad = static_cast<T*>(a.grad[slot]) + begin;
   float* master = a.master[slot] ? a.master[slot] + begin : nullptr;
-  float* s0 = a.state0[slot] ? a.state0[slot] + begin : nullptr;
-  float* s1 = a.state1[slot] ? a.state1[slot] + begin : nullptr;
-  float* s2 = a.state2[slot] ? a.state2[slot] + begin : nullptr;
-  const bool has_s0 = s0 != nullptr, has_s1 = s1 != nullptr, has_s2 = s2 != nullptr;
-
+  const bool write_grad = kReadGrad && c.write_grad;
+  float* st[kMaxStates];
   const auto aligned = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; };
-  const bool vec = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec) &&
-                   (!master || aligned(master, 16)) && (!has_s0 || aligned(s0, 16)) &&
-                   (!has_s1 || aligned(s1, 16)) && (!has_s2 || aligned(s2, 16));
+  bool vec = aligned(param, sizeof(T) * kVec) && (!kReadGrad || aligned(grad, sizeof(T) * kVec)) &&
+             (!master || aligned(master, 16));
+#pragma unroll
+  for (int k = 0; k < kMaxStates; ++k) {
+    st[k] = a.state[k][slot] ? a.state[k][slot] + begin : nullptr;  // absent states stay zero in registers
+    vec = vec && (!st[k] || aligned(st[k], 16));
+  }
   int64_t head = 0;
   if (vec) {
     head = n / kVec * kVec;
     for (int64_t i = int64_t{threadIdx.x} * kVec; i < head; i += int64_t{kThreads} * kVec) {
-      const Pack<T, kVec> gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
-      Pack<float, kVec> pv, m0 = {}, m1 = {}, m2 = {};  // absent state stays zero in registers, unused
-      if (master) pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
-      else {
+      Pack<T, kVec> gv = {};
+      if (kReadGrad) gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
+      Pack<float, kVec> pv, sv[kMaxStates] = {};
+      if (master) {
+        pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
+      } else {
         const Pack<T, kVec> raw = *reinterpret_cast<const Pack<T, kVec>*>(param + i);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) pv.v[e] = S::load(raw.v[e]);
       }
-      if (has_s0) m0 = *reinterpret_cast<const Pack<float, kVec>*>(s0 + i);
-      if (has_s1) m1 = *reinterpret_cast<const Pack<float, kVec>*>(s1 + i);
-      if (has_s2) m2 = *reinterpret_cast<const Pack<float, kVec>*>(s2 + i);
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k)
+        if (st[k]) sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
       Pack<T, kVec> used;  // the gradient the update used, for write_grad
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float g = fmul(fmul(S::load(gv.v[e]), gmul), clip);
-        used.v[e] = S::store(g);
-        update<K>(pv.v[e], m0.v[e], m1.v[e], m2.v[e], g, c, ts);
-      }
-      if (c.write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
-      Pack<T, kVec> out;
+        float s[kMaxStates];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) out.v[e] = S::store(pv.v[e]);
-      *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
-      if (master) *reinterpret_cast<Pack<float, kVec>*>(master + i) = pv;
-      if (has_s0) *reinterpret_cast<Pack<float, kVec>*>(s0 + i) = m0;
-      if (has_s1) *reinterpret_cast<Pack<float, kVec>*>(s1 + i) = m1;
-      if (has_s2) *reinterpret_cast<Pack<float, kVec>*>(s2 + i) = m2;
+        for (int k = 0; k < kMaxStates; ++k) s[k] = sv[k].v[e];
+        used.v[e] = S::store(element<P, kPass>(pv.v[e], s, S::load(gv.v[e]), b, acc));
+#pragma unroll
+        for (int k = 0; k < kMaxStates; ++k) sv[k].v[e] = s[k];
+      }
+      if (write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
+      if (kWriteParam) {
+        Pack<T, kVec> out;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out.v[e] = S::store(pv.v[e]);
+        *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
+        if (master) *reinterpret_cast<Pack<float, kVec>*>(master + i) = pv;
+      }
+      if (kWriteState) {
+#pragma unroll
+        for (int k = 0; k < kMaxStates; ++k)
+          if (st[k]) *reinterpret_cast<Pack<float, kVec>*>(st[k] + i) = sv[k];
+      }
     }
   }
   for (int64_t i = head + threadIdx.x; i < n; i += kThreads) {
-    const float g = fmul(fmul(S::load(grad[i]), gmul), clip);
-    if (c.write_grad) grad[i] = S::store(g);
     float p = master ? master[i] : S::load(param[i]);
-    float x0 = has_s0 ? s0[i] : 0.f, x1 = has_s1 ? s1[i] : 0.f, x2 = has_s2 ? s2[i] : 0.f;
-    update<K>(p, x0, x1, x2, g, c, ts);
-    if (has_s0) s0[i] = x0;
-    if (has_s1) s1[i] = x1;
-    if (has_s2) s2[i] = x2;
-    if (master) master[i] = p;
-    param[i] = S::store(p);
+    float s[kMaxStates];
+#pragma unroll
+    for (int k = 0; k < kMaxStates; ++k) s[k] = st[k] ? st[k][i] : 0.f;
+    const float g = element<P, kPass>(p, s, kReadGrad ? S::load(grad[i]) : 0.f, b, acc);
+    if (write_grad) grad[i] = S::store(g);
+    if (kWriteState) {
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k)
+        if (st[k]) st[k][i] = s[k];
+    }
+    if (kWriteParam) {
+      if (master) master[i] = p;
+      param[i] = S::store(p);
+    }
   }
 }
 
-template <OptimKind K>
-__device__ __forceinline__ void optim_block(const OptimLaunch& a, const OptimConsts& c) {
-  const WorkItem item = a.work.find(blockIdx.x);
-  const int slot = item.slot;
-  const int64_t begin = item.chunk * kChunk;
-  const int64_t n = a.numel[slot] - begin < kChunk ? a.numel[slot] - begin : kChunk;
-  const double lr = c.lr_ptr ? static_cast<double>(*c.lr_ptr) : c.lr;
-  const float step = a.step[slot] ? *a.step[slot] : 0.f;
-  TensorScalars ts;
-  if constexpr (K == OptimKind::kAdam) {
-    const AdamHyper h = resolve_hyper(c.adam, c.hyper);  // tensor betas are read here, on the device
-    ts.adam = adam_scalars(h, lr, static_cast<double>(step) + 1.0);
-    ts.adam_variant = adam_variant(h, ts.adam);
-  } else {
-    const SgdHyper h = resolve_hyper(c.sgd, c.hyper);
-    ts.sgd = sgd_scalars(h, lr);
-    ts.sgd_variant = sgd_variant(h);
-  }
-  ts.first_step = step == 0.f;
-  const float gmul = unscale_factor(c.inv_scale, c.grad_scale);
-  float clip = c.clip_coef ? *c.clip_coef : 1.f;
-  if (c.clip_sumsq) clip = fmul(clip, clip_coefficient(*c.clip_sumsq, c.max_norm));
-  switch (static_cast<DType>(a.dtype[slot])) {
-    case DType::kFloat32: process_chunk<DType::kFloat32, K>(a, slot, begin, n, c, ts, gmul, clip); break;
-    case DType::kFloat16: process_chunk<DType::kFloat16, K>(a, slot, begin, n, c, ts, gmul, clip); break;
-    case DType::kBFloat16: process_chunk<DType::kBFloat16, K>(a, slot, begin, n, c, ts, gmul, clip); break;
-  }
-}
-
-template <OptimKind K>
-__global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constant__ OptimLaunch a, const OptimConsts c) {
-  if (c.found_inf && *c.found_inf != 0.f) return;  // skipped step: nothing is written, steps included
-  optim_block<K>(a, c);
-  if (!c.counter) return;  // the steps are incremented by a second launch
-  // Every thread of the block has read its step (at the start of optim_block); the last block to get
-  // here increments the steps of the tensors that end in this launch, and zeroes the counter again.
+// The last block of the launch to get here increments the steps of the tensors that end in this launch
+// (every block has read its step at its start), and zeroes the counter again.
+__device__ __forceinline__ void finish_steps(const OptimLaunch& a, unsigned int* counter) {
   __shared__ bool is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    is_last = atomicAdd(c.counter, 1u) == gridDim.x - 1;
+    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   for (int s = threadIdx.x; s < a.work.num_slots; s += kThreads)
     if (a.finishes[s] && a.step[s]) *a.step[s] += 1.f;
-  if (threadIdx.x == 0) *c.counter = 0u;
+  if (threadIdx.x == 0) *counter = 0u;
+}
+
+template <class P, Pass kPass>
+__global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constant__ OptimLaunch a, const OptimConsts c) {
+  if (c.found_inf && *c.found_inf != 0.f) return;  // skipped step: nothing is written, steps included
+  constexpr int K = P::kNumSums > 0 ? P::kNumSums : 1;
+  const WorkItem item = a.work.find(blockIdx.x);
+  const int slot = item.slot;
+  const int64_t begin = item.chunk * kChunk;
+  const int64_t n = a.numel[slot] - begin < kChunk ? a.numel[slot] - begin : kChunk;
+  BlockConsts<P> b = block_consts<P>(a, c, slot);
+  if constexpr (kPass == Pass::kApply) {
+    // The tensor's sums from pass 1's partials (all of its items are in this launch), in a fixed order.
+    __shared__ float factor;
+    double sums[K];
+    const int first = a.work.first_item[slot], end = a.work.first_item[slot + 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      double v = 0.0;
+      for (int i = first + threadIdx.x; i < end; i += kThreads) v += c.partial[int64_t{i} * K + k];
+      sums[k] = block_sum<double, kThreads>(v);
+      __syncthreads();  // block_sum's shared scratch is reused by the next sum
+    }
+    if (threadIdx.x == 0) factor = P::finish(b.sc, sums);
+    __syncthreads();
+    b.factor = factor;
+  }
+  float acc[K] = {};
+  dispatch_dtype(static_cast<DType>(a.dtype[slot]), [&](auto d) {
+    process_chunk<P, decltype(d)::value, kPass>(a, slot, begin, n, c, b, acc);
+  });
+  if constexpr (kPass == Pass::kReduce) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const double v = block_sum<double, kThreads>(static_cast<double>(acc[k]));
+      if (threadIdx.x == 0) c.partial[int64_t{blockIdx.x} * K + k] = v;
+      __syncthreads();
+    }
+  } else if (c.counter) {
+    finish_steps(a, c.counter);
+  }
 }
 
 __global__ void step_increment_kernel(const __grid_constant__ StepLaunch s, const float* found_inf) {
@@ -207,15 +273,33 @@ __global__ void step_increment_kernel(const __grid_constant__ StepLaunch s, cons
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < s.n; i += gridDim.x * blockDim.x) *s.step[i] += 1.f;
 }
 
-}  // namespace
-
-void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+template <class P>
+void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStream_t stream) {
+  static_assert(P::kNumSums <= kMaxSums, "raise kMaxSums");
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
-  const OptimConsts consts{a.adam,      a.sgd,        a.hyper,    a.lr,        a.lr_ptr,     a.inv_scale, a.grad_scale,
-                           a.clip_coef, a.clip_sumsq, a.max_norm, a.found_inf, a.write_grad, a.counter};
+  OptimConsts consts{};
+  for (int i = 0; i < kMaxHyper; ++i) {
+    consts.hyper[i] = a.hyper[i];
+    consts.hyper_ref[i] = a.hyper_ref[i];
+  }
+  consts.lr = a.lr;
+  consts.lr_ptr = a.lr_ptr;
+  consts.inv_scale = a.inv_scale;
+  consts.grad_scale = a.grad_scale;
+  consts.clip_sumsq = a.clip_sumsq;
+  consts.max_norm = a.max_norm;
+  consts.found_inf = a.found_inf;
+  consts.write_grad = a.write_grad;
+  consts.counter = a.counter;
+
+  // Pass 2 adds a tensor's partials within one launch: a tensor must not continue into the next one (only
+  // a tensor of more than max_items chunks, 2^46 elements, would). Checked before anything is launched.
+  if (P::kNumSums > 0)
+    for (const PlanLaunch& launch : plan)
+      if (launch.items.front().chunk != 0)
+        throw std::runtime_error("mpfused: a tensor is too large for a two-pass optimizer step");
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {
@@ -224,9 +308,7 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
       args.param[s] = t.param;
       args.grad[s] = t.grad;
       args.master[s] = t.master;
-      args.state0[s] = t.state0;
-      args.state1[s] = t.state1;
-      args.state2[s] = t.state2;
+      for (int k = 0; k < kMaxStates; ++k) args.state[k][s] = t.state[k];
       args.step[s] = t.step;
       args.numel[s] = t.numel;
       args.dtype[s] = static_cast<uint8_t>(t.dtype);
@@ -237,12 +319,22 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
       if (it.chunk == (n + kChunk - 1) / kChunk - 1) args.finishes[it.slot] = 1;
     }
     const int items = args.work.fill(launch);
-    if (a.kind == OptimKind::kAdam) optim_kernel<OptimKind::kAdam><<<items, kThreads, 0, stream>>>(args, consts);
-    else optim_kernel<OptimKind::kSgd><<<items, kThreads, 0, stream>>>(args, consts);
-    cuda_check(cudaGetLastError(), "launching the optimizer kernel");
+    if constexpr (P::kNumSums == 0) {
+      optim_kernel<P, Pass::kUpdate><<<items, kThreads, 0, stream>>>(args, consts);
+      cuda_check(cudaGetLastError(), "launching the optimizer kernel");
+    } else {
+      OptimConsts pass = consts;
+      pass.partial = static_cast<double*>(scratch.alloc(scratch.ctx, int64_t{items} * P::kNumSums * 8));
+      pass.counter = nullptr;
+      optim_kernel<P, Pass::kReduce><<<items, kThreads, 0, stream>>>(args, pass);
+      cuda_check(cudaGetLastError(), "launching the optimizer's reduction pass");
+      pass.counter = consts.counter;
+      optim_kernel<P, Pass::kApply><<<items, kThreads, 0, stream>>>(args, pass);
+      cuda_check(cudaGetLastError(), "launching the optimizer's update pass");
+    }
   }
 
-  if (a.counter) return;  // the update launches' last blocks incremented the steps
+  if (a.counter) return;  // the final launches' last blocks incremented the steps
   // After every update block has read its step: increment the counters (unless the step was skipped).
   StepLaunch steps;
   steps.n = 0;
@@ -258,6 +350,13 @@ void optim_step_cuda(const OptimArgs& a, void* stream_ptr) {
     steps.step[steps.n++] = a.tensors[t].step;
   }
   flush();
+}
+
+}  // namespace
+
+void optim_step_cuda(const OptimArgs& a, const ScratchAllocator& scratch, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  dispatch_optim(a.kind, [&](auto policy) { launch_policy<decltype(policy)>(a, scratch, stream); });
 }
 
 }  // namespace mpf

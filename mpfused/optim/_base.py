@@ -1,28 +1,35 @@
-"""The shared base of the fused optimizers: param bucketing by device and dtype, lazy state with FP32
-master weights, torch.amp.GradScaler integration, and a state-dict loader that keeps FP32 state FP32."""
+"""The shared base of the fused optimizers: param bucketing by device, lazy state with FP32 master weights,
+the scaler interface (``StepScaling``, and torch.amp.GradScaler's protocol), and a state-dict loader that
+keeps FP32 state FP32.
+
+A new optimizer is a subclass naming its kernel policy (csrc/core/optim/) and defining four small methods;
+see ``FusedOptimizer``."""
 
 from __future__ import annotations
 
 import math
-import warnings
 import numbers
+import warnings
 from collections import defaultdict
 from copy import deepcopy
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch.optim import Optimizer
 
+from .. import _ops
 from .._layout import is_dense, like, same_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_POLICY_STATES = {name: tuple(spec["states"]) for name, spec in _ops.optim_policies().items()}
 
 
 def _is_real(value) -> bool:
-    # Python and numpy scalars (np.float32, np.float64, np.int64, ...), not bools.
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    # Python and numpy scalars (numpy registers its number types with numbers), not bools (numpy's bool is
+    # not a numbers.Real).
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_lr(lr, where: str = "") -> None:
@@ -65,6 +72,21 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
             return
         value = value.item()
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
+
+
+def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = False, read_device: bool = True) -> None:
+    """A pair of betas in [0, 1) ([0, 1] without ``hi_open``), torch's texts. ``tensors``: each may be a
+    one-element tensor (both or neither), as torch's Adam allows; see check_scalar_or_tensor."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: expected a pair, got {betas!r}{where}")
+    for i, b in enumerate(betas):
+        if tensors:
+            check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=hi_open, where=where,
+                                   read_device=read_device)
+        else:
+            check_number(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=hi_open, where=where)
+    if tensors and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"betas must be either both floats or both Tensors{where}")
 
 
 def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -115,15 +137,63 @@ def is_plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in _PLAIN_TYPES
 
 
-class FusedOptimizer(Optimizer):
-    """Base of FusedAdam, FusedAdamW and FusedSGD. Subclasses define ``_init_state`` and ``_fused_step``.
+@dataclass(frozen=True)
+class StepScaling:
+    """What a gradient scaler hands to :meth:`FusedOptimizer.step` (``step(scaling=...)``), all on the
+    device, so that the step unscales, clips and skips in its own pass with no host sync.
 
-    ``master_weights``: None keeps an FP32 master copy for FP16/BF16 params (never for FP32 ones), True the
-    same, False updates low-precision params directly (the math is still FP32).
+    - ``inv_scale``: one-element float32 tensor; gradients are multiplied by it. Or ``grad_scale``: the loss
+      scale S itself (torch.amp.GradScaler's form); gradients are multiplied by float(1 / S), computed on
+      the device in double. At most one of the two.
+    - ``found_inf``: one-element tensor; != 0 skips the whole step (nothing is written, step counts
+      included).
+    - ``clip``: ``(sumsq, max_norm)``: the sum of squares of the unscaled gradients of the whole step (a
+      one-element float32 tensor) and the norm to clip to; the gradients are multiplied by
+      ``min(1, max_norm / (sqrt(sumsq) + 1e-6))``, as torch.nn.utils.clip_grad_norm_.
+
+    A step given any of these leaves in ``p.grad`` the gradient it used (unscaled and clipped), as torch's
+    fused optimizers do; a skipped step leaves the gradients as they were.
+    """
+
+    inv_scale: Optional[torch.Tensor] = None
+    grad_scale: Optional[torch.Tensor] = None
+    found_inf: Optional[torch.Tensor] = None
+    clip: Optional[tuple] = None
+
+    def __post_init__(self) -> None:
+        if self.inv_scale is not None and self.grad_scale is not None:
+            raise ValueError("StepScaling takes inv_scale or grad_scale, not both")
+        for name in ("inv_scale", "grad_scale", "found_inf"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                raise TypeError(f"StepScaling.{name} must be a one-element tensor or None, got {value!r}")
+        if self.clip is not None:
+            ok = (isinstance(self.clip, tuple) and len(self.clip) == 2 and isinstance(self.clip[0], torch.Tensor)
+                  and self.clip[0].numel() == 1 and _is_real(self.clip[1]) and float(self.clip[1]) >= 0)
+            if not ok:
+                raise TypeError(f"StepScaling.clip must be (sumsq: one-element tensor, max_norm: number >= 0), "
+                                f"got {self.clip!r}")
+
+
+class FusedOptimizer(Optimizer):
+    """Base of the fused optimizers (FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion): one fused
+    kernel per device and param group applies the policy ``_policy`` (csrc/core/optim/) to every param.
+
+    A subclass sets ``_policy`` (a name in ``mpfused._ops.optim_policies()``), its state tensors keyed by
+    the policy's state names, and defines ``_check_group`` (hyperparameters, torch's error texts),
+    ``_init_state``/``_complete_state`` (lazy state) and ``_hyper`` (the policy's hyperparameters from a
+    group). ``master_weights``: None keeps an FP32 master copy for FP16/BF16 params (never for FP32 ones),
+    True the same, False updates low-precision params directly (the math is still FP32).
+
+    Scaling: ``step(scaling=StepScaling(...))`` is the explicit interface mpfused.GradScaler uses; torch's
+    GradScaler protocol (``_step_supports_amp_scaling``: it sets ``optimizer.grad_scale`` and
+    ``optimizer.found_inf`` around ``step()``) works too, so torch.amp.GradScaler drives these optimizers
+    as it drives torch's fused ones.
     """
 
     # torch.amp.GradScaler then hands the scale and found_inf to step() instead of unscaling the grads.
     _step_supports_amp_scaling = True
+    _policy: str = ""
     _state_float_keys: tuple[str, ...] = ()
     # Group keys that define the algorithm: kept from this optimizer when a state dict is loaded.
     _class_keys: tuple[str, ...] = ()
@@ -233,18 +303,18 @@ class FusedOptimizer(Optimizer):
 
     # ---- step ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None):
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, scaling: Optional[StepScaling] = None):
+        """One step of every param group. ``scaling``: what a gradient scaler hands over (see StepScaling);
+        without it, torch.amp.GradScaler's ``grad_scale``/``found_inf`` attributes are read when set."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Set by torch.amp.GradScaler (the scale itself, and the summed found_inf), or by mpfused's.
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        # Set by mpfused.GradScaler: 1/scale, and for clipping the sum of squares of the unscaled grads
-        # (on the device) with max_norm; the kernel folds the clip coefficient into the update.
-        inv_scale = getattr(self, "_mpf_inv_scale", None)
-        clip = getattr(self, "_mpf_clip", None)
+        if scaling is None:
+            # torch.amp.GradScaler's protocol: the scale S itself and the summed found_inf, set around step()
+            scaling = StepScaling(grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
+        elif not isinstance(scaling, StepScaling):
+            raise TypeError(f"scaling must be a mpfused.optim.StepScaling or None, got {type(scaling).__name__}")
 
         # Everything is checked before anything (state included) is created or written.
         work = []
@@ -258,23 +328,29 @@ class FusedOptimizer(Optimizer):
                     params.append(p)
             work.append((group, params))
 
-        per_device: dict[torch.device, tuple] = {}
+        clip = scaling.clip
+        if clip is None:
+            clip = self._own_clip([p for _, ps in work for p in ps], scaling)
+        per_device: dict[torch.device, dict] = {}
 
-        def device_scalars(device: torch.device):
+        def device_scalars(device: torch.device) -> dict:
             if device not in per_device:
-                # torch's scaler hands over the scale S itself; the kernel computes 1/S on the device.
-                unscale = {}
-                if inv_scale is not None:
-                    unscale["inv_scale"] = copy_to(inv_scale, device)
-                elif grad_scale is not None:
-                    unscale["grad_scale"] = copy_to(grad_scale, device, torch.float32).reshape(1)
-                per_device[device] = (
-                    unscale,
-                    (copy_to(clip[0], device), clip[1]) if clip is not None else None,
-                    copy_to(found_inf, device, torch.float32).reshape(1) if found_inf is not None else None,
-                )
+                kw = {}
+                if scaling.inv_scale is not None:
+                    kw["inv_scale"] = copy_to(scaling.inv_scale, device, torch.float32).reshape(1)
+                elif scaling.grad_scale is not None:  # the kernel computes 1/S on the device
+                    kw["grad_scale"] = copy_to(scaling.grad_scale, device, torch.float32).reshape(1)
+                if clip is not None:
+                    kw["clip_sumsq"] = copy_to(clip[0], device, torch.float32).reshape(1)
+                    kw["max_norm"] = float(clip[1])
+                if scaling.found_inf is not None:
+                    kw["found_inf"] = copy_to(scaling.found_inf, device, torch.float32).reshape(1)
+                per_device[device] = kw
             return per_device[device]
 
+        # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
+        # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
+        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
         for group, params in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
@@ -285,21 +361,21 @@ class FusedOptimizer(Optimizer):
                 # goes through a copy in the param's layout.
                 grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
                          for p, g in ((p, p.grad) for p in ps)]
-                inv, clip, found = device_scalars(device)
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
                     lr = copy_to(lr, device, torch.float32).reshape(1)
-                # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped),
-                # as torch's fused optimizers do: the kernel writes it in the same pass. A skipped step
-                # writes nothing.
-                write_grad = bool(inv) or clip is not None
-                self._fused_step(group, ps, grads, states, lr, inv, clip, found, self._counter(device),
-                                 write_grad=write_grad)
+                self._fused_step(group, ps, grads, states, lr, device_scalars(device), self._counter(device),
+                                 write_grad)
                 if write_grad:
                     for p, g in zip(ps, grads):
                         if g is not p.grad:  # the grad went through a copy
                             p.grad.copy_(g)
         return loss
+
+    def _own_clip(self, params: list, scaling: StepScaling) -> Optional[tuple]:
+        """A clip the optimizer itself needs when the scaler gave none: ``(sumsq, max_norm)`` or None
+        (LAMB's max_grad_norm: the sum of squares of all unscaled gradients, max_norm infinite)."""
+        return None
 
     def _counter(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
@@ -309,11 +385,25 @@ class FusedOptimizer(Optimizer):
             counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return counters[device]
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
-                    write_grad: bool = False) -> None:
-        """unscale: {} or {"inv_scale": t} or {"grad_scale": t}; clip: None or (sum of squares, max_norm);
-        counter: see _counter()."""
+    def _hyper(self, group: dict, device: torch.device) -> dict:
+        """The policy's hyperparameters (``_ops.optim_policies()[self._policy]["hyper"]``) from ``group``:
+        floats, bools, or one-element tensors on ``device`` (see device_hyper)."""
         raise NotImplementedError
+
+    def _fused_step(self, group: dict, params: list, grads: list, states: list, lr, scalars: dict,
+                    counter: torch.Tensor, write_grad: bool) -> None:
+        """The kernel call for one group's params on one device. ``scalars``: the keyword arguments of
+        ``_ops.optim_step_`` for the unscale, clip and skip."""
+        kernel_states = {}
+        for name in _POLICY_STATES[self._policy]:
+            tensors = [s.get(name) for s in states]
+            if any(t is not None for t in tensors):
+                kernel_states[name] = tensors
+        steps = [s.get("step") for s in states]
+        _ops.optim_step_(self._policy, params, grads, [s.get("master_param") for s in states], kernel_states,
+                         steps if any(t is not None for t in steps) else [], lr=lr,
+                         hyper=self._hyper(group, params[0].device), counter=counter, write_grad=write_grad,
+                         **scalars)
 
     # ---- state dict ---------------------------------------------------------------------------------
     def _load_value(self, param: torch.Tensor, key, value):

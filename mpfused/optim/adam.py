@@ -6,8 +6,7 @@ from typing import Optional
 
 import torch
 
-from .. import _ops
-from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, device_hyper
+from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_lr, check_number, device_hyper
 
 
 class FusedAdam(FusedOptimizer):
@@ -20,6 +19,7 @@ class FusedAdam(FusedOptimizer):
     or a one-element tensor (then no part of step() needs the host; capturable in a CUDA graph).
     """
 
+    _policy = "adam"
     _state_float_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
     _class_keys = ("decoupled_weight_decay",)
 
@@ -42,14 +42,7 @@ class FusedAdam(FusedOptimizer):
     def _check_group(self, group, where, in_step=False) -> None:
         check_lr(group["lr"], where)
         check_number("epsilon value", group["eps"], where=where)
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: expected a pair, got {betas!r}{where}")
-        for i, b in enumerate(betas):
-            check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=True, where=where,
-                                   read_device=not in_step)
-        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-            raise ValueError(f"betas must be either both floats or both Tensors{where}")
+        check_betas(group["betas"], where, tensors=True, read_device=not in_step)
         check_number("weight_decay value", group["weight_decay"], where=where)
 
     def _init_state(self, group, p, state) -> None:
@@ -66,19 +59,7 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._fp32_zeros(p)
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
-                    write_grad: bool = False) -> None:
-        device = params[0].device
+    def _hyper(self, group, device) -> dict:
         beta1, beta2 = (device_hyper(b, device) for b in group["betas"])
-        _ops.adam_step_(
-            params, grads,
-            [s.get("master_param") for s in states],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            [s["step"] for s in states],
-            lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled=group["decoupled_weight_decay"],
-            clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
-            found_inf=found_inf, counter=counter, write_grad=write_grad, **unscale,
-        )
+        return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled=group["decoupled_weight_decay"])

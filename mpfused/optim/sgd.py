@@ -8,7 +8,6 @@ import math
 
 import torch
 
-from .. import _ops
 from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, device_hyper
 
 
@@ -18,6 +17,7 @@ class FusedSGD(FusedOptimizer):
     tensor) counts the steps taken: 0 means the momentum buffer has not been set yet, which a skipped first
     step must leave so without the host knowing."""
 
+    _policy = "sgd"
     _state_float_keys = ("momentum_buffer", "master_param")
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
@@ -65,16 +65,7 @@ class FusedSGD(FusedOptimizer):
                 # A buffer loaded from torch.optim.SGD has been written: the next step is not the first.
                 state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
 
-    def _fused_step(self, group, params, grads, states, lr, unscale, clip, found_inf, counter, *,
-                    write_grad: bool = False) -> None:
-        momentum = group["momentum"] != 0
-        _ops.sgd_step_(
-            params, grads,
-            [s.get("master_param") for s in states],
-            [s["momentum_buffer"] for s in states] if momentum else [],
-            [s["step"] for s in states] if momentum else [],
-            lr=lr, momentum=group["momentum"], dampening=group["dampening"], weight_decay=device_hyper(group["weight_decay"], params[0].device),
-            nesterov=group["nesterov"], maximize=group["maximize"],
-            clip_sumsq=clip[0] if clip else None, max_norm=clip[1] if clip else 0.0,
-            found_inf=found_inf, counter=counter, write_grad=write_grad, **unscale,
-        )
+    def _hyper(self, group, device) -> dict:
+        return dict(momentum=group["momentum"], dampening=group["dampening"],
+                    weight_decay=device_hyper(group["weight_decay"], device), nesterov=group["nesterov"],
+                    maximize=group["maximize"])

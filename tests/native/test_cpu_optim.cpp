@@ -1,5 +1,6 @@
-// The CPU optimizer backend without torch: one element of every tensor is recomputed with the scalar
-// core/optim.h math and compared bit for bit; a found_inf step writes nothing; steps advance.
+// The CPU optimizer backend without torch: every element is recomputed with the scalar core/optim/ policy
+// math (AdamPolicy through the generic driver) and compared bit for bit; a found_inf step writes nothing;
+// steps advance.
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -22,25 +23,31 @@ int main() {
     grad[i] = float_to_f16_bits(dist(rng) * 1024.f);
   }
   float step = 0.f, inv = 1.f / 1024.f, found = 0.f, lr_dev = 1e-3f;
-  OptimTensor t{param.data(), grad.data(), master.data(), m.data(), v.data(), vmax.data(), &step, n, DType::kFloat16};
+  OptimTensor t{param.data(), grad.data(), master.data(), {m.data(), v.data(), vmax.data()}, &step, n, DType::kFloat16};
   OptimArgs a{};
   a.kind = OptimKind::kAdam;
   a.tensors = &t;
   a.num_tensors = 1;
   a.lr = 0.0;
   a.lr_ptr = &lr_dev;
-  a.adam = AdamHyper{0.9, 0.999, 1e-8, 0.01, true, false, true};
+  const double hyper[AdamPolicy::kNumHyper] = {0.9, 0.999, 1e-8, 0.01, 1, 0, 1};  // amsgrad, AdamW
+  for (int i = 0; i < AdamPolicy::kNumHyper; ++i) a.hyper[i] = hyper[i];
+  const AdamPolicy::Hyper h = AdamPolicy::make(hyper);
+  const RuntimeFlags flags{AdamPolicy::flags(h)};
+  CHECK(flags.has(AdamPolicy::kAmsgrad) && !flags.has(AdamPolicy::kL2), "flags %u", flags.mask);
   a.inv_scale = &inv;
   a.found_inf = &found;
 
   for (int s = 0; s < 3; ++s) {
     std::vector<float> rm = master, rmm = m, rv = v, rvmax = vmax;
-    const AdamScalars sc = adam_scalars(a.adam, lr_dev, step + 1.0);
+    const AdamPolicy::Scalars sc = AdamPolicy::scalars(h, StepContext{lr_dev, step + 1.0, -1.0});
     optim_step_cpu(a, 2);
     CHECK(step == s + 1.f, "step %g after %d steps", step, s + 1);
     for (int64_t i = 0; i < n; ++i) {
       const float g = fmul(fmul(f16_bits_to_float(grad[i]), inv), 1.f);
-      adam_update(rm[i], rmm[i], rv[i], rvmax[i], g, adam_variant(a.adam, sc), sc);
+      float s3[3] = {rmm[i], rv[i], rvmax[i]};
+      AdamPolicy::update(rm[i], s3, g, flags, sc);
+      rmm[i] = s3[0], rv[i] = s3[1], rvmax[i] = s3[2];
       CHECK(rm[i] == master[i] && rmm[i] == m[i] && rv[i] == v[i] && rvmax[i] == vmax[i], "element %lld step %d", (long long)i, s);
       CHECK(param[i] == float_to_f16_bits(master[i]), "param copy of element %lld", (long long)i);
       if (rm[i] != master[i]) break;
