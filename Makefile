@@ -62,11 +62,15 @@ isa-check: build
 
 test: test-python test-native
 
+# The demo is a script outside the package (matplotlib is its dependency, not mpfused's); PYTHONPATH=.
+# finds the in-place build.
 demo: build
-	$(VPY) -m mpfused.demo
+	PYTHONPATH=. $(VPY) examples/demo.py
 
+# benchmarks/ is a package run from the repository root, which puts the in-place build on the path.
+BENCHMARKS := $(basename $(notdir $(wildcard benchmarks/bench_*.py)))
 bench: build
-	for b in benchmarks/bench_*.py; do PYTHONPATH=. $(VPY) $$b || exit 1; done
+	for b in $(BENCHMARKS); do $(VPY) -m benchmarks.$$b || exit 1; done
 
 # ---- CUDA checks that need no GPU -----------------------------------------------------------------
 cuda-compile:

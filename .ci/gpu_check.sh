@@ -7,7 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the benchmark scripts
 
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a visible CUDA device'"
 MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace
@@ -30,7 +29,7 @@ else
 fi
 
 echo "== benchmarks"
-for bench in benchmarks/bench_*.py; do
-  "$PY" "$bench" --device cuda --json
+for bench in benchmarks/bench_*.py; do  # as modules of the benchmarks package, from the root (the in-place build)
+  "$PY" -m "benchmarks.$(basename "$bench" .py)" --device cuda --json
 done
 echo "gpu-check: OK; results in benchmarks/results/"

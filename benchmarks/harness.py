@@ -16,8 +16,9 @@ scripts and machines:
 - :func:`make_parser` / :func:`parse_args` give every script the same command line, and
   :func:`write_json` writes ``{"machine", "roofs", "results", ...}`` for ``--json``.
 
-Scripts are run as ``python benchmarks/bench_x.py`` with the repository (or an installed mpfused) on
-the path; they import this module as ``from harness import ...``.
+Scripts are run from the repository root as ``python -m benchmarks.bench_x`` (mpfused built in place
+there, or installed); they import this module as ``from .harness import ...`` and their goals from
+``goals.py``.
 """
 
 from __future__ import annotations
@@ -452,7 +453,7 @@ def write_json(path: Path, machine: dict[str, Any], roofs: Roofs, results: Seque
 def make_parser(description: str) -> argparse.ArgumentParser:
     """The options every benchmark shares. ``--repeats`` and ``--warmup`` default to None so that the
     script can choose per device (see :func:`parse_args`)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{Path(sys.argv[0]).stem}", description=description)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="device to measure (default: cuda if available, else cpu)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")

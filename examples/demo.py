@@ -1,4 +1,4 @@
-"""`python -m mpfused.demo`: what each mixed-precision technique buys, measured on a real model.
+"""`python examples/demo.py`: what each mixed-precision technique buys, measured on a real model.
 
 A character-level language model (an MLP over the previous bytes, built from nn.Linear, LayerNorm and
 GELU) learns to predict the next byte of the Python standard library's own source code: real data that
@@ -14,7 +14,11 @@ the three effects of the mixed-precision paper (Micikevicius et al., ICLR 2018):
 3. lost updates: the fraction of the real O2 weight updates (new master - old master) that change
    nothing when added to the FP16 weights, against the FP32 master copy.
 
-Everything printed, and more, goes to ``<out>/demo.json``; the figure to ``<out>/demo.png``.
+Everything printed, and more, goes to ``<out>/demo.json``; the figure to ``<out>/demo.png`` (with
+matplotlib, a dependency of this demo only, not of mpfused).
+
+Run it from the repository root after ``make build`` as ``make demo``, or with mpfused importable
+(``PYTHONPATH=.`` for the in-place build, or an installed mpfused) as ``python examples/demo.py``.
 """
 
 from __future__ import annotations
@@ -98,54 +102,11 @@ class CharMLP(nn.Module):
         return self.head(self.body(self.embed(x).flatten(1)))
 
 
-class _WidenedLinearFn(torch.autograd.Function):
-    """FP16/BF16 linear as a tensor-core GEMM computes it: operands widened exactly to FP32, products
-    accumulated in FP32, each result rounded once to the low-precision dtype. Only used when
-    mpfused.nn (our GEMM) is not available: torch's own FP16 GEMM on the CPU runs at ~1-5 GFLOP/s."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        y = x.float() @ w.float().t()
-        if b is not None:
-            y += b.float()
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        g32 = g.float()
-        gb = g32.sum(0).to(w.dtype) if ctx.has_bias else None
-        return (g32 @ w.float()).to(x.dtype), (g32.t() @ x.float()).to(w.dtype), gb
-
-
-class _WidenedLinear(nn.Linear):
-    def forward(self, x):
-        dev = x.device.type
-        w, b = self.weight, self.bias
-        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in (torch.float16, torch.bfloat16):
-            dt = torch.get_autocast_dtype(dev)
-            with torch.autocast(dev, enabled=False):
-                return _WidenedLinearFn.apply(x.to(dt), w.to(dt), None if b is None else b.to(dt))
-        if x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype:
-            return _WidenedLinearFn.apply(x, w, b)
-        return F.linear(x, w, b)
-
-
-def low_precision_linears(model: nn.Module, device: torch.device) -> str:
-    """The GEMM the O1/O2/O3 runs use for their FP16 linears (in place; Parameter objects are kept).
-    This is the hook for mpfused's own GEMM: mpfused.nn.convert_linear when it is built."""
-    convert = getattr(getattr(mpfused, "nn", None), "convert_linear", None)
-    if convert is not None:
-        convert(model)
-        return "mpfused.nn.FusedLinear (mpfused's GEMM: FP16/BF16 in, FP32 accumulate)"
-    if device.type == "cpu":
-        for m in model.modules():
-            if type(m) is nn.Linear:
-                m.__class__ = _WidenedLinear
-        return "demo fallback (mpfused.nn not built): operands widened to FP32, FP32 GEMM, one rounding"
-    return "torch nn.Linear (cuBLAS)"
+def low_precision_linears(model: nn.Module) -> str:
+    """The GEMM the O1/O2/O3 runs use for their FP16 linears: mpfused's own (in place; the Parameter
+    objects are kept, so the optimizer and amp.initialize see the same weights)."""
+    mpfused.nn.convert_linear(model)
+    return "mpfused.nn.FusedLinear (mpfused's GEMM: FP16/BF16 in, FP32 accumulate)"
 
 
 # ---- measurements -----------------------------------------------------------------------------------
@@ -162,7 +123,7 @@ class ActivationGrads:
         self.grads: dict[str, torch.Tensor] = {}
         self.handles = []
         for name, m in model.named_modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "FusedLinear":
+            if isinstance(m, (nn.Linear, nn.Embedding, mpfused.nn.FusedLinear)):
                 self.handles.append(m.register_forward_hook(self._hook(name)))
 
     def _hook(self, name):
@@ -271,7 +232,7 @@ def evaluate(model, x, y, chunk: int) -> tuple[float, float]:
 # ---- one run ----------------------------------------------------------------------------------------
 def train_run(name, opt_level, loss_scale, base_model, cfg, data, heldout, device, seed, probe, progress):
     model = copy.deepcopy(base_model).to(device)
-    linear_impl = "torch nn.Linear (FP32)" if opt_level == "O0" else low_precision_linears(model, device)
+    linear_impl = "torch nn.Linear (FP32)" if opt_level == "O0" else low_precision_linears(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     model, opt, scaler = mpfused.amp.initialize(model, opt, opt_level, loss_scale=loss_scale)
     props = mpfused.amp.properties(model)
@@ -624,7 +585,7 @@ def _json_safe(obj):
 
 # ---- main -------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mpfused.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python examples/demo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps (for tests; seconds)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,124 @@
+"""The project's performance goals: one table for every benchmark script.
+
+Each row is one goal that a script marks PASS/FAIL from the numbers it measures in the run: the script
+(``"optim"`` for bench_optim.py), the label its docstring, tables and JSON use (``"(a)"``), what it
+compares (printed after the label), the comparison and threshold, the device it is decided on (on the
+other device the script shows it as INFO or N/A), and why the threshold is what it is. The scripts read
+their goals from here (:func:`goal`) and keep no thresholds of their own, so a goal changes in one place.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+Number = Union[int, float]
+_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One row of the table. ``threshold`` in :meth:`text` and :meth:`met`: the one the run computed, for a
+    row whose threshold is None."""
+
+    script: str
+    label: str
+    what: str
+    op: str
+    threshold: Optional[Number]  # None: the script computes it in the run (see the reason)
+    fmt: str  # how the threshold prints, unit included
+    device: str  # "cpu", "cuda" or "any"
+    reason: str
+    scope: str = ""  # printed after the threshold, in parentheses
+    dtype: Optional[str] = None  # the one dtype the goal is decided for (None: every dtype measured)
+    at: Optional[int] = None  # the problem size it is decided at, where the script measures several
+
+    @property
+    def title(self) -> str:
+        return f"{self.label} {self.what}"
+
+    def text(self, threshold: Optional[Number] = None) -> str:
+        """The threshold as the tables and the JSON show it, e.g. ``>= 1.25x (CPU)``."""
+        shown = f"{self.op} {self.fmt.format(self.threshold if threshold is None else threshold)}"
+        return f"{shown} ({self.scope})" if self.scope else shown
+
+    def met(self, value: Optional[Number], threshold: Optional[Number] = None) -> bool:
+        """Whether a measured value reaches the goal (never when nothing was measured)."""
+        return value is not None and _OPS[self.op](value, self.threshold if threshold is None else threshold)
+
+    def applies(self, device: torch.device, dtype: Optional[str] = None) -> bool:
+        """Whether the goal is decided for a run on ``device`` (and for ``dtype``, where it names one)."""
+        return self.device in ("any", device.type) and (self.dtype is None or dtype == self.dtype)
+
+
+# Columns: script, label, what, op, threshold, fmt, device, reason (then scope, dtype, at where they apply).
+GOALS: tuple[Goal, ...] = (
+    # ---- bench_overflow.py: mpfused.non_finite_check_ ----------------------------------------------------
+    Goal("overflow", "(a)", "our check, % of read roof", ">=", 85.0, "{:.0f}%", "cpu",
+         "the check reads the list once and writes nothing: it should run at the memory's read speed, less "
+         "the noise of a roof measured on a shared machine", scope="CPU"),
+    Goal("overflow", "(b)", "check+sumsq speedup vs torch check -> _foreach_norm", ">=", 2.0, "{:.0f}x", "any",
+         "ours reads the list once; torch's check reads and writes it (even at inv_scale 1), then "
+         "_foreach_norm reads it again"),
+    Goal("overflow", "(c)", "our check, kernel launches per call", "==", None, "{}", "cuda",
+         "one launch per list up to a launch's capacity: the count the launch planner "
+         "(core/multi_tensor_plan.h) gives for the list", scope="planned for this list"),
+    Goal("overflow", "(d)", "check+unscale speed vs torch _amp_foreach_..._unscale_", ">=", 1.0, "{:.1f}x", "cpu",
+         "the same job and traffic as torch's op (read and write once): FP16, widened through F16C blocks, "
+         "must not be slower than torch", scope="CPU, FP16", dtype="FP16"),
+    Goal("overflow", "(e)", "check+sumsq, % of read roof", ">=", 85.0, "{:.0f}%", "cpu",
+         "FP16 halves the bytes per element: the widening and the sum must keep up with memory as the check "
+         "alone does in (a)", scope="CPU, FP16", dtype="FP16"),
+    # ---- bench_optim.py: one step() of FusedAdamW / FusedAdam / FusedSGD ----------------------------------
+    Goal("optim", "(a)", "FP32 AdamW: ours vs torch fused AdamW", ">=", 1.0, "{:.1f}x", "cpu",
+         "both are one pass at the memory roof (28 B/param): ours must be no slower than torch's fused CPU "
+         "AdamW", scope="CPU"),
+    Goal("optim", "(b)", "O2 AdamW: ours (check + step) vs torch's O2 pipeline", ">=", 1.25, "{:.2f}x", "cpu",
+         "torch's pipeline moves about 44 B/param where ours moves 32 (bench_optim's traffic models): 1.375x, "
+         "less a margin for the CPU's FP16/BF16 conversions", scope="CPU"),
+    Goal("optim", "(c)", "ours, % of copy roof on the traffic model", ">=", 90.0, "{:.0f}%", "cuda",
+         "an optimizer step streams every tensor once with no reuse: on a GPU it is bound by memory "
+         "bandwidth alone", scope="CUDA"),
+    Goal("optim", "(d)", "O2 AdamW: ours (check + step) vs torch's O2 pipeline", ">=", 1.5, "{:.1f}x", "cuda",
+         "44 against 32 B/param, and torch's four multi-tensor ops per step against our two launches",
+         scope="CUDA"),
+    Goal("optim", "(e)", "O2 AdamW: ours (check + step) vs apex", ">=", 1.2, "{:.1f}x", "cuda",
+         "apex's FusedAdam(master_weights) is the fused O2 optimizer users have now: ours must be clearly "
+         "faster to be worth switching to", scope="CUDA, if apex"),
+    Goal("optim", "(f)", "kernels launched by one step() per param group (1 group)", "<=", 1, "{}", "cuda",
+         "step() always passes a step counter and the last block of the update increments it: a CUDA step "
+         "is one launch per param group", scope="CUDA"),
+    # ---- bench_scaler.py: GradScaler + FusedAdamW iteration with clipping ---------------------------------
+    Goal("scaler", "(a)", "ours vs torch O2 iteration (FP32 masters, clip)", ">=", 1.5, "{:.1f}x", "any",
+         "torch's O2 iteration moves 60 B/param where ours moves 36 (bench_scaler's traffic models): 1.67x, "
+         "less a margin"),
+    Goal("scaler", "(b)", "ours: host syncs per iteration", "==", 0, "{}", "cuda",
+         "found_inf, the clip coefficient and the scale stay on the device: a sync would stall the host's "
+         "launch queue every iteration", scope="CUDA"),
+    Goal("scaler", "(c)", "ours: kernel launches per param group per iteration", "<=", 3, "{}", "cuda",
+         "one clip pass (inf check + sum of squares), one fused update, one scale update", scope="CUDA"),
+    # ---- bench_gemm.py: mpfused.gemm and FusedLinear -------------------------------------------------------
+    Goal("gemm", "(a)", "ours vs torch's FP16 matmul (CPU)", ">=", 20.0, "{:.0f}x", "cpu",
+         "torch's FP16 CPU GEMM is a slow fallback (about 0.4 to 2.4 GFLOP/s) that exact widening plus "
+         "ATen's FP32 GEMM must leave far behind", at=2048),
+    Goal("gemm", "(b)", "ours vs torch's FP32 matmul (CPU)", ">=", 0.7, "{:.1f}x", "cpu",
+         "ours is ATen's FP32 GEMM plus the widening and our epilogue: those passes may cost at most ~30%",
+         at=2048),
+    Goal("gemm", "(c)", "ours vs cuBLAS (torch.matmul), throughput ratio (CUDA)", ">=", 0.5, "{:.2f}x", "cuda",
+         "a WMMA kernel without cuBLAS's per-arch tuning: half of cuBLAS's FP16 throughput on an H100",
+         at=4096),
+    Goal("gemm", "(d)", "fused bias+GELU vs torch's linear + gelu (CUDA)", ">=", 1.0, "{:.1f}x", "cuda",
+         "the fused epilogue saves writing and reading the output once more: at K <= 1024 that traffic is a "
+         "large share of the time, so fusing must never be slower (outputs 4096x4096 and up)"),
+)
+
+
+def goal(script: str, label: str) -> Goal:
+    """The row of ``script``'s goal ``label``, e.g. ``goal("optim", "(a)")``."""
+    found = [g for g in GOALS if g.script == script and g.label == label]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} goals {script} {label} in benchmarks/goals.py (expected one)")
+    return found[0]
