@@ -111,3 +111,18 @@ CLIPPED_GRAD_TOL = (1e-5, 1e-7)
 # order: the two FP32 values differ by a few FP32 ulp, which can tip the rounding to the neighbouring FP16
 # value: one FP16 ulp, at most 2^-10 of the value.
 FP16_ROUNDING_RTOL = 2.0**-10
+
+# FusedLAMB (tests/test_lamb.py) against a float64 reference: the error a step adds to an FP32 weight (or
+# FP32 master), as a fraction of the tensor's largest |weight| W; the steps' errors add up. Two sources:
+# - the weight's own rounding when the update is added: <= 1 unit u = 2^-24 of W;
+# - the update's relative error times its size. The update moves an element by at most ~3*lr*W (lr * ratio
+#   * |u_i| with ratio * ||u|| = ||w||; |u_i| <~ 3 where no ratio applies, for weights of O(1)), and is
+#   computed to within ~100u: the FP32 constants (betas, bias corrections, eps, weight decay: <= 8u); the
+#   moments (each step rounds m 5 times and v 6 times: <= ~8u per step in m / sqrt(v), <= 64u after 8
+#   steps); the division, sqrt and add (<= 4u); the trust ratio's two norms, summed in a different order
+#   (FP32 lane sums, <= 12 adds per lane for tensors of <= 192 elements: <= 12u, halved by the square
+#   roots); and the global clip factor (an FP32 sum of the step's ~320 squares in 32 lanes: <= ~40u, halved
+#   by its square root; it changes m / sqrt(v) only through the steps' relative weights).
+# With lr <= 0.05 (the tests assert it): 1 + 3 * 0.05 * 100 = 16u per step. A wrong formula (a bias
+# correction, the clip, the trust ratio, the decay) moves the weights by more than 1e5 u.
+LAMB_WEIGHT_RTOL_PER_STEP = 16 * 2.0**-24

@@ -7,11 +7,13 @@
 #include <cstring>
 
 #include "adam.h"
+#include "lamb.h"
 #include "sgd.h"
 
 #define MPF_OPTIMIZERS(X) \
   X(Adam, AdamPolicy)     \
-  X(Sgd, SgdPolicy)
+  X(Sgd, SgdPolicy)       \
+  X(Lamb, LambPolicy)
 
 namespace mpf {
 

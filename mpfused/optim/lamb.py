@@ -1,0 +1,100 @@
+"""FusedLAMB: LAMB (You et al. 2019) with the semantics of apex's FusedLAMB, as two fused passes per device
+and param group."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from ._base import FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_lr, check_number, copy_to
+
+
+class FusedLAMB(FusedOptimizer):
+    """Drop-in for apex's ``FusedLAMB``: Adam moments with bias correction, weight decay decoupled
+    (``adam_w_mode=True``) or as L2 on the gradient, and per tensor the trust ratio ``||w|| / ||u||`` (1
+    where either norm is 0) scaling the update ``u``; the ratio applies where ``weight_decay != 0`` or
+    with ``use_nvlamb=True``, so a param group with ``weight_decay=0`` (biases, norms) takes plain
+    Adam-like steps, as in apex. ``grad_averaging``: the gradient's weight in the first moment is
+    ``1 - beta1`` (else 1). ``max_grad_norm`` > 0: the gradients are scaled by ``max_grad_norm / norm``
+    where their global norm (over every param of the step) exceeds it.
+
+    The step is two passes over each group (the ratio needs both norms of the whole tensor): the first
+    updates the moments and sums ``w^2`` and ``u^2`` per tensor, the second updates the weights; nothing
+    syncs the host between them. The global gradient norm comes from one multi-tensor reduction (or from
+    mpfused.GradScaler's clip_grad_norm_, which already has it). With a GradScaler the unscale and the
+    skip on inf/NaN are fused in as in FusedAdam; FP16/BF16 params get FP32 masters
+    (``master_weights``). The norms are taken of the FP32 weight (the master when there is one).
+    """
+
+    _policy = "lamb"
+    _state_float_keys = ("exp_avg", "exp_avg_sq", "master_param")
+
+    def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 set_grad_none: bool = True, max_grad_norm=1.0, use_nvlamb: bool = False, *,
+                 master_weights: Optional[bool] = None) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
+        check_common_kwargs(None, None, False, False)
+        if master_weights not in (None, True, False):
+            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=betas, eps=eps, weight_decay=weight_decay,
+                        adam_w_mode=bool(adam_w_mode), grad_averaging=bool(grad_averaging),
+                        max_grad_norm=max_grad_norm, use_nvlamb=bool(use_nvlamb), master_weights=master_weights)
+        self._check_group(defaults, "")
+        super().__init__(params, defaults)
+        self.set_grad_none = bool(set_grad_none)
+
+    def _check_group(self, group, where, in_step=False) -> None:
+        check_lr(group["lr"], where)
+        check_number("epsilon value", group["eps"], where=where)
+        check_betas(group["betas"], where)
+        check_number("weight_decay value", group["weight_decay"], where=where)
+        check_number("max_grad_norm value", group["max_grad_norm"], where=where)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """apex's: grads are set to None when ``set_grad_none`` (the default), else zeroed."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _init_state(self, group, p, state) -> None:
+        self._complete_state(group, p, state)
+
+    def _complete_state(self, group, p, state) -> None:
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = self._fp32_zeros(p)
+
+    def _hyper(self, group, device) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
+                    decoupled=group["adam_w_mode"], max_grad_norm=group["max_grad_norm"],
+                    use_nvlamb=group["use_nvlamb"])
+
+    def _own_clip(self, params: list, scaling: StepScaling) -> Optional[tuple]:
+        """The global norm max_grad_norm needs: the sum of squares of every unscaled gradient of the step, in
+        one multi-tensor pass per device (found_inf is the scaler's business; the flag here is scratch)."""
+        if not params or not any(g["max_grad_norm"] > 0 for g in self.param_groups):
+            return None
+        by_device: dict[torch.device, list] = defaultdict(list)
+        for p in params:
+            g = p.grad
+            by_device[p.device].append(g if g.is_contiguous() else g.contiguous())
+        total = None
+        for device, grads in by_device.items():
+            inv = None
+            if scaling.inv_scale is not None:
+                inv = copy_to(scaling.inv_scale, device, torch.float32).reshape(1)
+            elif scaling.grad_scale is not None:  # float(1 / S) from double, as the kernel computes it
+                inv = (1.0 / copy_to(scaling.grad_scale, device, torch.float64)).to(torch.float32).reshape(1)
+            sumsq = torch.empty(1, dtype=torch.float32, device=device)
+            scratch = torch.empty(1, dtype=torch.float32, device=device)
+            _ops.non_finite_check_(grads, scratch, inv, sumsq=sumsq, overwrite=True)
+            total = sumsq if total is None else total + copy_to(sumsq, total.device)
+        return total, math.inf
