@@ -126,3 +126,16 @@ FP16_ROUNDING_RTOL = 2.0**-10
 # With lr <= 0.05 (the tests assert it): 1 + 3 * 0.05 * 100 = 16u per step. A wrong formula (a bias
 # correction, the clip, the trust ratio, the decay) moves the weights by more than 1e5 u.
 LAMB_WEIGHT_RTOL_PER_STEP = 16 * 2.0**-24
+
+# FusedLion (tests/test_lion.py) against a float64 reference. The direction c = beta1 * m + (1 - beta1) * g
+# in FP32: |m| <= G (the largest |g| of the run: m is a convex combination of gradients), each step rounds m
+# 5 times (beta2 and 1 - beta2 to FP32, two products, the sum: <= 5u * G, u = 2^-24; beta2 < 1 damps the
+# earlier errors) and c takes 5 more. After s steps |c - c_ref| <= 5 * s * u * G, so where |c_ref| exceeds
+# that, sign(c) is the reference's. The tests assert this margin for every element of every step (a sign
+# that flips moves the weight by 2 * lr, not by a rounding), times the step count and G:
+LION_DIRECTION_ERROR_PER_STEP = 5 * 2.0**-24
+# The weight p * (1 - lr * wd) - lr * sign(c): the decay factor and -lr rounded to FP32 (1u of |p|, 1u of
+# lr), the product and the sum rounded (1u of |p| each): <= 3u * |p| + u * lr <= 4u * P per step, P = the
+# largest |p| of the run (<= max |p0| + steps * lr, which is >= lr); the decay factor <= 1 does not amplify
+# earlier errors. Per step, times P:
+LION_WEIGHT_RTOL_PER_STEP = 4 * 2.0**-24

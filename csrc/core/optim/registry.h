@@ -8,12 +8,14 @@
 
 #include "adam.h"
 #include "lamb.h"
+#include "lion.h"
 #include "sgd.h"
 
 #define MPF_OPTIMIZERS(X) \
   X(Adam, AdamPolicy)     \
   X(Sgd, SgdPolicy)       \
-  X(Lamb, LambPolicy)
+  X(Lamb, LambPolicy)     \
+  X(Lion, LionPolicy)
 
 namespace mpf {
 
