@@ -1,4 +1,4 @@
-"""Benchmark of one step of the fused optimizers, ``mpfused.optim.FusedAdamW``, ``FusedAdam`` and ``FusedSGD``.
+"""Benchmark of one step of the fused optimizers: ``FusedAdamW``, ``FusedAdam``, ``FusedSGD``, ``FusedLAMB``, ``FusedLion``.
 
 One ``step()`` is timed with the gradients already in place, on a param list shaped like a model's
 (default: 300 tensors with the size spread of ``bench_overflow.model_like_sizes``, 50M params on the CPU
@@ -18,6 +18,10 @@ FP32 AdamW     ``FusedAdamW.step()``                        ``torch.optim.AdamW`
 FP32 Adam      ``FusedAdam.step()``                         ``torch.optim.Adam(fused=True)`` only (to keep the
                                                             run short; AdamW has the full set)
 FP32 SGD       ``FusedSGD(momentum=0.9).step()``            ``torch.optim.SGD(momentum=0.9)``, the same three
+FP32 LAMB      ``FusedLAMB(max_grad_norm=1,                 torch has no LAMB: a for-loop LAMB with apex's
+               weight_decay=0.01).step()``                  semantics, written in this file (``TorchLamb``)
+FP32 Lion      ``FusedLion(weight_decay=0.01).step()``      torch has no Lion: for-loop and ``torch._foreach_*``
+                                                            Lion, written in this file (``TorchLion``)
 O2 FP16/BF16   ``non_finite_check_(grads, found)`` then     torch's O2 pipeline: (a)
 AdamW          ``FusedAdamW.step()`` with ``grad_scale`` =  ``_amp_foreach_non_finite_check_and_unscale_`` on
                S and ``found_inf`` set (the full job);      the FP16/BF16 grads, (b) ``_foreach_copy_`` into FP32
@@ -84,7 +88,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import mpfused
-from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD
 
 from .bench_overflow import model_like_sizes
 from .goals import goal
@@ -129,13 +133,23 @@ BYTES_O2_STEP_NO_WRITE = 28
 BYTES_O2_CHECK = 2
 BYTES_O2 = BYTES_O2_STEP + BYTES_O2_CHECK
 BYTES_TORCH_O2_ACTUAL = 4 + 6 + 28 + 6
-SECTIONS = ("adamw", "adam", "sgd", "o2-fp16", "o2-bf16", "overhead")
+BYTES_FP32_LAMB = 4 + 24 + 16  # the global-norm pass reads grads; pass 1 reads g, p, m, v and writes m, v;
+#                                pass 2 reads p, m, v and writes p
+BYTES_FP32_LION = 20  # param r+w 8, grad r 4, exp_avg r+w 8
+LAMB_WEIGHT_DECAY = 1e-2
+LAMB_MAX_GRAD_NORM = 1.0
+LION_LR = 1e-4
+LION_BETAS = (0.9, 0.99)
+
+SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "overhead")
 LOW_PRECISION = {"o2-fp16": ("FP16", torch.float16), "o2-bf16": ("BF16", torch.bfloat16)}
 
 # Method names (table rows and JSON records).
 OURS_ADAMW = "mpfused FusedAdamW.step()"
 OURS_ADAM = "mpfused FusedAdam.step()"
 OURS_SGD = "mpfused FusedSGD.step()"
+OURS_LAMB = "mpfused FusedLAMB.step()"
+OURS_LION = "mpfused FusedLion.step()"
 OURS_O2 = "mpfused non_finite_check_ + FusedAdamW.step() (grad_scale, found_inf)"
 OURS_O2_STEP = "mpfused FusedAdamW.step() alone (grad_scale, found_inf given; no inf check)"
 OURS_O2_NO_WRITE = "mpfused FusedAdamW.step() on grads needing no unscale (so no grad write-back)"
@@ -143,6 +157,9 @@ TORCH_O2 = "torch O2: unscale_ -> copy to FP32 grads -> AdamW -> copy back"
 APEX_O2 = "apex FusedAdam(master_weights, capturable) + GradScaler check"
 ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
     "for-loop", "foreach", "fused", "torch O2", "apex")
+TORCH_LAMB = "torch for-loop LAMB (apex semantics, written here)"
+TORCH_LION_LOOP = "torch for-loop Lion (written here)"
+TORCH_LION_FOREACH = "torch foreach Lion (written here)"
 
 
 # ---- the param lists ----------------------------------------------------------------------------------
@@ -287,6 +304,90 @@ def fp32_section(key: str, sizes: list[int], device: torch.device) -> Section:
     section = Section(key, title, model, sum(sizes), len(sizes), methods, [lbl for lbl, _ in variants])
     section.notes.append("params and grads are shared by the methods; each optimizer keeps its own state")
     return section
+
+
+# ---- LAMB and Lion: torch has neither, so the anchors are written here ----------------------------------
+class TorchLamb:
+    """LAMB as a torch user writes it without a fused kernel: apex FusedLAMB's semantics (global-norm clip,
+    AdamW-style moments with bias correction, decoupled weight decay, per-tensor trust ratio), one tensor at
+    a time, no host sync (the norms and the ratio stay tensors)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        b1, b2 = BETAS
+        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params]))
+        clip = torch.where(norm > LAMB_MAX_GRAD_NORM, LAMB_MAX_GRAD_NORM / norm, torch.ones_like(norm))
+        for p, (m, v) in zip(self.params, self.state):
+            g = p.grad * clip
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            u = (m / bc1).div_((v / bc2).sqrt_().add_(EPS)).add_(p, alpha=LAMB_WEIGHT_DECAY)
+            w_norm, u_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(u)
+            ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+            p.add_(u.mul_(ratio), alpha=-LR)
+
+
+class TorchLion:
+    """Lion as a torch user writes it (for-loop, or with torch._foreach_* ops)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], foreach: bool) -> None:
+        self.params, self.foreach = params, foreach
+        self.exp_avgs = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        b1, b2 = LION_BETAS
+        decay = 1 - LION_LR * WEIGHT_DECAY
+        grads = [p.grad for p in self.params]
+        if self.foreach:
+            update = torch._foreach_mul(self.exp_avgs, b1)
+            torch._foreach_add_(update, grads, alpha=1 - b1)
+            torch._foreach_sign_(update)
+            torch._foreach_mul_(self.params, decay)
+            torch._foreach_add_(self.params, update, alpha=-LION_LR)
+            torch._foreach_mul_(self.exp_avgs, b2)
+            torch._foreach_add_(self.exp_avgs, grads, alpha=1 - b2)
+            return
+        for p, g, m in zip(self.params, grads, self.exp_avgs):
+            update = m.mul(b1).add_(g, alpha=1 - b1).sign_()
+            p.mul_(decay).add_(update, alpha=-LION_LR)
+            m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+def lamb_lion_section(key: str, sizes: list[int], device: torch.device) -> Section:
+    """FP32 LAMB or Lion: ours against the torch implementations above, on shared params and grads (each
+    keeps its own state)."""
+    values = randn_list(sizes, device, SEED)
+    grads = randn_list(sizes, device, SEED + 1, std=GRAD_STD)
+    params = make_params(values, grads)
+    finite = lambda: list(params)  # noqa: E731 - the shared params
+    if key == "lamb":
+        ours = FusedLAMB(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=LAMB_WEIGHT_DECAY,
+                         max_grad_norm=LAMB_MAX_GRAD_NORM)
+        anchor = TorchLamb(params)
+        methods = [method(OURS_LAMB, "mpfused", ours.step, BYTES_FP32_LAMB, step_count=first_step(ours),
+                          finite_tensors=finite),
+                   method(TORCH_LAMB, "torch", anchor.step, BYTES_FP32_LAMB, anchor=ANCHOR_LOOP,
+                          finite_tensors=finite)]
+        model = (f"{BYTES_FP32_LAMB} B/param: the global grad norm reads grads 4; pass 1 reads grad, param, "
+                 "exp_avg, exp_avg_sq 16 and writes the moments 8; pass 2 reads param and moments 12, writes param 4")
+        return Section(key, f"FP32 LAMB (max_grad_norm {LAMB_MAX_GRAD_NORM:g}, weight decay {LAMB_WEIGHT_DECAY:g})",
+                       model, sum(sizes), len(sizes), methods, [ANCHOR_LOOP])
+    ours = FusedLion(params, lr=LION_LR, betas=LION_BETAS, weight_decay=WEIGHT_DECAY)
+    methods = [method(OURS_LION, "mpfused", ours.step, BYTES_FP32_LION, finite_tensors=finite)]
+    for name, label, foreach in ((TORCH_LION_LOOP, ANCHOR_LOOP, False), (TORCH_LION_FOREACH, ANCHOR_FOREACH, True)):
+        methods.append(method(name, "torch", TorchLion(params, foreach).step, BYTES_FP32_LION, anchor=label,
+                              finite_tensors=finite))
+    model = f"{BYTES_FP32_LION} B/param: param r+w 8, grad r 4, exp_avg r+w 8"
+    return Section(key, f"FP32 Lion (weight decay {WEIGHT_DECAY:g})", model, sum(sizes), len(sizes), methods,
+                   [ANCHOR_LOOP, ANCHOR_FOREACH])
 
 
 def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
@@ -503,6 +604,8 @@ def bytes_needed(key: str, params: int, with_apex: bool) -> int:
         "adamw": 8 + 4 * 8 + 12,  # shared param+grad, 4 optimizers' moments, foreach temporaries
         "adam": 8 + 2 * 8 + 4,
         "sgd": 8 + 4 * 4 + 8,
+        "lamb": 8 + 2 * 8 + 12,  # shared param+grad, two optimizers' moments, the torch loop's temporaries
+        "lion": 8 + 3 * 4 + 8,
         "o2-fp16": o2,
         "o2-bf16": o2,
         "overhead": 0,
@@ -731,8 +834,8 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
     for key in LOW_PRECISION:
         x, na = speedup(key, OURS_O2, ANCHOR_O2)
         add_goal("(b)", key, x, "{:.2f}x", na)
-    for key, ours in (("adamw", OURS_ADAMW), ("adam", OURS_ADAM), ("sgd", OURS_SGD), ("o2-fp16", OURS_O2),
-                      ("o2-bf16", OURS_O2)):
+    for key, ours in (("adamw", OURS_ADAMW), ("adam", OURS_ADAM), ("sgd", OURS_SGD), ("lamb", OURS_LAMB),
+                      ("lion", OURS_LION), ("o2-fp16", OURS_O2), ("o2-bf16", OURS_O2)):
         rec = find(records, key, ours)
         add_goal("(c)", key, rec["pct_copy_roof"] if rec else None, "{:.1f}%", missing(key))
     for key in LOW_PRECISION:
@@ -740,6 +843,10 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
         add_goal("(d)", key, x, "{:.2f}x", na)
         x, na = speedup(key, OURS_O2, ANCHOR_APEX)
         add_goal("(e)", key, x, "{:.2f}x", na)
+    x, na = speedup("lamb", OURS_LAMB, ANCHOR_LOOP)
+    add_goal("(g)", "lamb", x, "{:.2f}x", na)
+    x, na = speedup("lion", OURS_LION, ANCHOR_FOREACH)
+    add_goal("(h)", "lion", x, "{:.2f}x", na)
     for key in LOW_PRECISION:
         with_write, without = find(records, key, OURS_O2_STEP), find(records, key, OURS_O2_NO_WRITE)
         cost = None if with_write is None or without is None else \
@@ -841,6 +948,8 @@ def main() -> None:
             continue
         if key in ("adamw", "adam", "sgd"):
             section = fp32_section(key, sizes, device)
+        elif key in ("lamb", "lion"):
+            section = lamb_lion_section(key, sizes, device)
         elif key in LOW_PRECISION:
             section = o2_section(key, sizes, device)
         else:
@@ -881,6 +990,7 @@ def main() -> None:
                   "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
                   "max_seconds": args.max_seconds, "apex": apex_reason or "importable",
                   "traffic_model_bytes_per_param": {"fp32_adam": BYTES_FP32_ADAM, "fp32_sgd": BYTES_FP32_SGD,
+                                                    "fp32_lamb": BYTES_FP32_LAMB, "fp32_lion": BYTES_FP32_LION,
                                                     "o2_adamw": BYTES_O2, "o2_adamw_step_only": BYTES_O2_STEP,
                                                     "torch_o2_pipeline_actual": BYTES_TORCH_O2_ACTUAL}}
         write_json(out, machine, roofs, records, config=config, targets=targets, checks_ok=checks_ok,

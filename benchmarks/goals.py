@@ -91,6 +91,11 @@ GOALS: tuple[Goal, ...] = (
     Goal("optim", "(f)", "kernels launched by one step() per param group (1 group)", "<=", 1, "{}", "cuda",
          "step() always passes a step counter and the last block of the update increments it: a CUDA step "
          "is one launch per param group", scope="CUDA"),
+    Goal("optim", "(g)", "FP32 LAMB: ours vs torch for-loop LAMB", ">=", 2.0, "{:.1f}x", "any",
+         "ours moves 44 B/param in three passes (grad norm, moments, update); the loop's temporaries (clipped "
+         "grad, the update and its norms) move well over twice that"),
+    Goal("optim", "(h)", "FP32 Lion: ours vs torch foreach Lion", ">=", 2.0, "{:.1f}x", "any",
+         "ours moves 20 B/param in one pass; the seven foreach ops read and write about 68"),
     # ---- bench_scaler.py: GradScaler + FusedAdamW iteration with clipping ---------------------------------
     Goal("scaler", "(a)", "ours vs torch O2 iteration (FP32 masters, clip)", ">=", 1.5, "{:.1f}x", "any",
          "torch's O2 iteration moves 60 B/param where ours moves 36 (bench_scaler's traffic models): 1.67x, "
