@@ -41,7 +41,10 @@ struct LionPolicy : PolicyBase {
   static MPF_HD void update(float& p, float* s, float g, const F&, const Scalars& c) {
     g = fmul(g, c.grad_sign);
     const float dir = fadd(fmul(s[0], c.beta1), fmul(c.one_minus_beta1, g));
-    const float sign = dir > 0.f ? 1.f : dir < 0.f ? -1.f : fmul(dir, 0.f);  // +-0 stays 0, NaN stays NaN
+    // +-0 gives 0 and a NaN stays NaN. Written as selects between constants: GCC vectorises those on every
+    // ISA path, not a chain of conditions around arithmetic (without AVX-512's masks, "control flow").
+    const float pos = dir > 0.f ? 1.f : 0.f, neg = dir < 0.f ? 1.f : 0.f;
+    const float sign = dir != dir ? dir : fsub(pos, neg);
     p = fadd(fmul(p, c.decay), fmul(c.neg_lr, sign));
     s[0] = fadd(fmul(s[0], c.beta2), fmul(c.one_minus_beta2, g));
   }
