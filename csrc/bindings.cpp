@@ -363,19 +363,30 @@ void optim_step_with(const TensorList& params, const TensorList& grads, const Op
   if (hyper.size() != static_cast<size_t>(P::kNumHyper))
     fail("hyper must have " + std::to_string(P::kNumHyper) + " values" + where + ", got " + std::to_string(hyper.size()));
   if (!hyper_tensors.empty() && hyper_tensors.size() != static_cast<size_t>(P::kNumHyper))
-    fail("hyper_tensors must be empty or have " + std::to_string(P::kNumHyper) + " entries" + where);
+    fail("hyper_tensors must be empty or have " + std::to_string(P::kNumHyper) + " entries" + where + ", got " +
+         std::to_string(hyper_tensors.size()));
   if (states.size() != static_cast<size_t>(P::kNumStates))
     fail("states must have " + std::to_string(P::kNumStates) + " lists" + where + ", got " + std::to_string(states.size()));
-  // A value given as a tensor is read by the update itself (Python checks it); its number is ignored.
+  // A value given as a tensor (only where the policy allows one) is read by the update itself, on the
+  // device (mpfused.optim checks it when the optimizer is built); its number here is ignored.
   double values[mpf::kMaxHyper] = {};
   for (int i = 0; i < P::kNumHyper; ++i) {
     const mpf::HyperSpec& spec = P::kHyper[i];
     values[i] = hyper[i];
-    if (hyper_tensors.empty() || !hyper_tensors[i]) check_hyper(values[i], spec.name, spec.lo, spec.lo_open, spec.hi, spec.hi_open);
+    if (!hyper_tensors.empty() && hyper_tensors[i]) {
+      if (!spec.tensor_ok) fail(std::string(spec.name) + " must be a number, not a tensor" + where);
+      continue;
+    }
+    check_hyper(values[i], spec.name, spec.lo, spec.lo_open, spec.hi, spec.hi_open);
+    if (spec.flag && values[i] != 0.0 && values[i] != 1.0)
+      fail(std::string(spec.name) + " must be 0 or 1 (a flag)" + where + ", got " + std::to_string(values[i]));
   }
   const typename P::Hyper h = P::make(values);
   if (const char* e = P::check(h)) fail(e);
-  if (params.empty()) return;
+  if (params.empty()) {
+    if (!lr_tensor) check_hyper(lr, "lr", 0.0, false, INFINITY, false);
+    return;
+  }
   // The states and the step count a step uses depend only on values that are never tensors.
   const uint32_t flags = P::flags(h);
   at::Device device(at::kCPU);

@@ -18,6 +18,12 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements as a 1-D view of its memory (in memory order), for element-wise work and
+    sums whose order is free."""
+    return t if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 def same_layout(t: torch.Tensor, ref: torch.Tensor) -> bool:
     """True when t has ref's shape and the same stride in every dim of size > 1 (a size-1 dim's stride never
     addresses memory), so that element i of both flat arrays is the same logical element."""

@@ -143,10 +143,13 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     - the policy's update of the FP32 weight (``masters[i]`` when given, else the param itself) and of its
       FP32 ``states`` (a dict: state name -> one tensor per param; names in ``optim_policies()``; a state the
       step does not use may be omitted), and the param stored in its dtype;
-    - ``steps``: per param a float32 one-element tensor of steps taken, += 1 when the step is taken.
+    - ``steps``: per param a float32 one-element tensor of steps taken, += 1 when the step is taken, for
+      the policies that count steps (not Lion, nor SGD without momentum: then ignored, may be ``[]``).
 
-    ``hyper``: every hyperparameter of the policy by name; a float, or (for those torch lets be tensors) a
-    one-element float32/float64 tensor on the params' device, read by the update itself. ``lr``: a float or
+    ``hyper``: every hyperparameter of the policy by name; a number (flags 0/1 or bools), or, for those
+    torch lets be tensors (Adam's betas, SGD's weight_decay), a one-element float32/float64 tensor on the
+    params' device, read by the update itself. Params, grads, masters and states must be distinct tensors
+    (the kernels read them as non-overlapping arrays). ``lr``: a float or
     a one-element float32 tensor on the device. When ``found_inf`` != 0 nothing is written, steps included.
     ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA update's last block
     increments the step counters, sparing a launch. ``write_grad``: a taken step also writes the gradient

@@ -31,7 +31,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import _ops
-from ._layout import is_dense
+from ._layout import flat, is_dense
 from .optim._base import FusedOptimizer, StepScaling, copy_to
 
 __all__ = ["GradScaler"]
@@ -54,10 +54,8 @@ def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if t.device.type != "cpu" and not (t.device.type == "cuda" and _CUDA_KERNELS):
         return None
-    if t.is_contiguous():
-        return t
-    if is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise, the order is free
-        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    if t.is_contiguous() or is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise
+        return flat(t)
     return None
 
 

@@ -333,3 +333,42 @@ def test_invalid_group_value_makes_step_raise_before_anything_is_written(device,
     with pytest.raises(ValueError, match=f"Invalid {name}.*param group 1"):
         opt.step()
     assert_same(snapshot(opt, params), before)
+
+
+# ---- multi-chunk tensors, an empty one, a misaligned one ------------------------------------------------
+BIG_SHAPES = [(70001,), (0,), (65537,), (3,)]  # more than one work item; params 0, 1 in group 0
+
+
+def offset_param(t, device, offset):
+    """A param whose data starts `offset` elements into its storage (misaligned for vector loads)."""
+    base = torch.zeros(t.numel() + offset, device=device)
+    base[offset:] = t.reshape(-1).to(device)
+    return torch.nn.Parameter(base[offset:].view(t.shape))
+
+
+def test_multi_chunk_empty_and_misaligned_tensors_match_the_reference(device):
+    """Tensors of several chunks (the per-tensor sums add several partials), an empty tensor (its step is
+    still counted, as torch counts it) and a param at a storage offset of one element, over three steps."""
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(s, generator=gen) for s in BIG_SHAPES]
+    grads = [[torch.randn(s, generator=gen) * 1e-3 for s in BIG_SHAPES] for _ in range(3)]
+    params = [offset_param(init[0], device, 1)] + [torch.nn.Parameter(t.to(device).clone()) for t in init[1:]]
+    assert params[0].storage_offset() == 1
+    opt = FusedLAMB(split(params))
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.to(device)
+        opt.step()
+    ref = lamb_reference(init, grads)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach().double().cpu(), r, rtol=0, atol=tolerance(r, 3) if r.numel() else 0)
+    assert [float(opt.state[p]["step"]) for p in params] == [3.0] * 4
+
+
+def test_an_overflowing_sum_of_squares_does_not_poison_the_update(device):
+    """Finite gradients whose FP32 sum of squares overflows (|g| = 1e20): the global norm is inf, and the
+    clip to max_grad_norm must scale the gradients down (to 0 here), never multiply them by NaN."""
+    p = torch.nn.Parameter(torch.ones(8, device=device))
+    p.grad = torch.full((8,), 1e20, device=device)
+    FusedLAMB([p], lr=1e-2).step()
+    assert torch.isfinite(p).all()

@@ -26,7 +26,7 @@ def lion_reference(init, grads, groups=GROUPS, **kw):
     hyper = [dict(DEFAULTS, **kw, **g) for g in groups]
     m = [torch.zeros_like(p) for p in params]
     grads = [[g.double().cpu() for g in gs] for gs in grads]
-    big = max(float(g.abs().max()) for gs in grads for g in gs)
+    big = max(float(g.abs().max()) for gs in grads for g in gs if g.numel())
     c_min = float("inf")
     for gs in grads:
         for i, (p, g) in enumerate(zip(params, gs)):
@@ -35,7 +35,8 @@ def lion_reference(init, grads, groups=GROUPS, **kw):
             if h["maximize"]:
                 g = -g
             c = b1 * m[i] + (1 - b1) * g
-            c_min = min(c_min, float(c.abs().min()) / big)
+            if c.numel():
+                c_min = min(c_min, float(c.abs().min()) / big)
             p.mul_(1 - h["lr"] * h["weight_decay"]).sub_(h["lr"] * torch.sign(c))
             m[i] = b2 * m[i] + (1 - b2) * g
     return params, m, big, c_min
@@ -81,6 +82,8 @@ def assert_matches_reference(params, opt, init, reference, steps):
     # Every sign the reference took is one FP32 takes too (see tolerances.py): the comparison is meaningful.
     assert c_min > steps * LION_DIRECTION_ERROR_PER_STEP
     for p, p0, r, m in zip(params, init, ref, ref_m):
+        if p.numel() == 0:
+            continue
         w = fp32_weight(opt, p)
         assert w.dtype == torch.float32
         if p.dtype != torch.float32:
@@ -255,3 +258,27 @@ def test_invalid_group_value_makes_step_raise_before_anything_is_written(device,
     with pytest.raises(ValueError, match=f"Invalid {name}.*param group 1"):
         opt.step()
     assert_same(snapshot(opt, params), before)
+
+
+# ---- multi-chunk tensors, an empty one, a misaligned one ------------------------------------------------
+BIG_SHAPES = [(70001,), (0,), (65537,), (3,)]  # more than one work item; params 0, 1 in group 0
+
+
+def test_multi_chunk_empty_and_misaligned_tensors_match_the_reference(device):
+    """Tensors of several chunks, an empty tensor and a param at a storage offset of one element. Every
+    element's gradient keeps one sign over the run and |g| >= 0.5, so |c| stays far from 0 (the margin
+    is asserted): every sign is the reference's."""
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(s, generator=gen) for s in BIG_SHAPES]
+    signs = [torch.randint(0, 2, s, generator=gen) * 2.0 - 1.0 for s in BIG_SHAPES]
+    grads = [[sg * (0.5 + torch.rand(s, generator=gen)) for s, sg in zip(BIG_SHAPES, signs)] for _ in range(4)]
+    base = torch.zeros(init[0].numel() + 1, device=device)
+    base[1:] = init[0].to(device)
+    params = [torch.nn.Parameter(base[1:])] + [torch.nn.Parameter(t.to(device).clone()) for t in init[1:]]
+    assert params[0].storage_offset() == 1
+    opt = FusedLion(split(params))
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.to(device)
+        opt.step()
+    assert_matches_reference(params, opt, init, lion_reference(init, grads), 4)

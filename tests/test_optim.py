@@ -450,6 +450,11 @@ def test_kernel_entry_validates_shapes_devices_and_state():
         (dict(beta1=torch.tensor(0.9, dtype=torch.float16)), r"beta1 must be a float32 or float64 tensor"),
         (dict(beta2=torch.tensor([0.9, 0.9])), r"beta2 must be a float32 or float64 tensor with one element"),
         (dict(beta2=torch.tensor(0.9, device="meta")), r"beta2 must be on cpu like the params"),
+        # only the hyperparameters torch lets be tensors may be: the others decide which states and steps
+        # the kernel touches, which the entry must know (a tensor amsgrad or momentum crashed the process)
+        (dict(eps=torch.tensor(1e-8)), r"eps must be a number, not a tensor"),
+        (dict(amsgrad=torch.tensor(1.0)), r"amsgrad must be a number, not a tensor"),
+        (dict(amsgrad=0.5), r"amsgrad must be 0 or 1"),
     ]
     for override, message in bad:
         args = dict(params=[p], grads=[g], masters=[None], exp_avgs=[z()], exp_avg_sqs=[z()], max_exp_avg_sqs=[],
@@ -462,6 +467,17 @@ def test_kernel_entry_validates_shapes_devices_and_state():
                         args.pop("exp_avg_sqs"), args.pop("max_exp_avg_sqs"), args.pop("steps"),
                         found_inf=found_inf, **args)
         assert torch.equal(p, before) and step.item() == 0.0
+
+
+def test_kernel_entry_rejects_a_tensor_momentum_and_validates_lr_without_params():
+    p, g = torch.randn(6), torch.randn(6)
+    hyper = dict(momentum=torch.tensor(0.9), dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    before = p.clone()
+    with pytest.raises(ValueError, match="momentum must be a number, not a tensor"):
+        mpfused._ops.optim_step_("sgd", [p], [g], [None], {}, [], lr=0.1, hyper=hyper)
+    assert torch.equal(p, before)
+    with pytest.raises(ValueError, match="invalid lr"):
+        mpfused._ops.optim_step_("sgd", [], [], [], {}, [], lr=-5.0, hyper=dict(hyper, momentum=0.0))
 
 
 def _kernel_step(kind, device, **hyper):

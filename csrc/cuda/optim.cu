@@ -292,7 +292,9 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
   consts.max_norm = a.max_norm;
   consts.found_inf = a.found_inf;
   consts.write_grad = a.write_grad;
-  consts.counter = a.counter;
+  bool any_step = false;
+  for (int64_t t = 0; t < a.num_tensors; ++t) any_step = any_step || a.tensors[t].step != nullptr;
+  consts.counter = any_step ? a.counter : nullptr;  // no steps to count (Lion, SGD without momentum)
 
   // Pass 2 adds a tensor's partials within one launch: a tensor must not continue into the next one (only
   // a tensor of more than max_items chunks, 2^46 elements, would). Checked before anything is launched.
@@ -300,6 +302,14 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
     for (const PlanLaunch& launch : plan)
       if (launch.items.front().chunk != 0)
         throw std::runtime_error("mpfused: a tensor is too large for a two-pass optimizer step");
+  // The partial sums of a two-pass policy: one buffer for the largest launch, taken before anything is
+  // launched (a failed allocation then modifies nothing); the launches reuse it in stream order.
+  double* partial = nullptr;
+  if (P::kNumSums > 0) {
+    size_t most = 0;
+    for (const PlanLaunch& launch : plan) most = launch.items.size() > most ? launch.items.size() : most;
+    if (most > 0) partial = static_cast<double*>(scratch.alloc(scratch.ctx, static_cast<int64_t>(most) * P::kNumSums * 8));
+  }
 
   OptimLaunch args;
   for (const PlanLaunch& launch : plan) {
@@ -324,7 +334,7 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
       cuda_check(cudaGetLastError(), "launching the optimizer kernel");
     } else {
       OptimConsts pass = consts;
-      pass.partial = static_cast<double*>(scratch.alloc(scratch.ctx, int64_t{items} * P::kNumSums * 8));
+      pass.partial = partial;
       pass.counter = nullptr;
       optim_kernel<P, Pass::kReduce><<<items, kThreads, 0, stream>>>(args, pass);
       cuda_check(cudaGetLastError(), "launching the optimizer's reduction pass");
@@ -334,8 +344,9 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
     }
   }
 
-  if (a.counter) return;  // the final launches' last blocks incremented the steps
-  // After every update block has read its step: increment the counters (unless the step was skipped).
+  // After every update block has read its step: increment the counters (unless the step was skipped) that
+  // no launch's last block did: all of them without a counter, else those of empty tensors (no launch
+  // holds them), as torch counts the steps of empty params too.
   StepLaunch steps;
   steps.n = 0;
   auto flush = [&]() {
@@ -345,7 +356,7 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
     steps.n = 0;
   };
   for (int64_t t = 0; t < a.num_tensors; ++t) {
-    if (!a.tensors[t].step) continue;
+    if (!a.tensors[t].step || (consts.counter && a.tensors[t].numel > 0)) continue;
     if (steps.n == kMaxSteps) flush();
     steps.step[steps.n++] = a.tensors[t].step;
   }

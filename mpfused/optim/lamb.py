@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
+from .._layout import flat, is_dense
 from ._base import FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_lr, check_number, copy_to
 
 
@@ -85,7 +86,7 @@ class FusedLAMB(FusedOptimizer):
         by_device: dict[torch.device, list] = defaultdict(list)
         for p in params:
             g = p.grad
-            by_device[p.device].append(g if g.is_contiguous() else g.contiguous())
+            by_device[p.device].append(flat(g) if is_dense(g) else g.contiguous())
         total = None
         for device, grads in by_device.items():
             inv = None

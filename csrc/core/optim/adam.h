@@ -14,7 +14,8 @@ struct AdamPolicy : PolicyBase {
   static constexpr const char* kStates[kNumStates] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   static constexpr int kNumHyper = 7;
   static constexpr HyperSpec kHyper[kNumHyper] = {
-      {"beta1", 0.0, 1.0, false, true}, {"beta2", 0.0, 1.0, false, true}, {"eps", 0.0, kInf, false, false},
+      {"beta1", 0.0, 1.0, false, true, true}, {"beta2", 0.0, 1.0, false, true, true},
+      {"eps", 0.0, kInf, false, false},
       {"weight_decay", 0.0, kInf, false, false}, flag_spec("amsgrad"), flag_spec("maximize"),
       flag_spec("decoupled")};  // decoupled: AdamW's decay of the weights, else L2 on the gradient
 

@@ -39,13 +39,17 @@ constexpr int kMaxStates = 3;  // state tensors per param
 constexpr int kMaxHyper = 12;  // hyperparameters per policy
 
 // A hyperparameter's name and the values it may take (checked by the bindings, before anything runs).
+// tensor_ok: it may be a one-element tensor on the device that the update reads itself (see HyperRef); the
+// bindings cannot check such a value, so state_mask and needs_step must never depend on one. flag: 0 or 1.
 struct HyperSpec {
   const char* name;
   double lo, hi;
   bool lo_open, hi_open;
+  bool tensor_ok = false;
+  bool flag = false;
 };
 constexpr double kInf = HUGE_VAL;
-constexpr HyperSpec flag_spec(const char* name) { return HyperSpec{name, 0.0, 1.0, false, false}; }
+constexpr HyperSpec flag_spec(const char* name) { return HyperSpec{name, 0.0, 1.0, false, false, false, true}; }
 
 // A hyperparameter that may be a one-element tensor (Adam's betas, SGD's weight_decay). When the tensor
 // lives on the device of the update, the update reads it there, so a step with tensor hyperparameters
@@ -81,6 +85,7 @@ MPF_HD float unscale_factor(const float* inv_scale, const float* grad_scale) {
 // min(1, max_norm / (norm + 1e-6)) in FP32 (torch multiplies by a reciprocal: within 1 ulp of it).
 // A NaN norm gives a NaN coefficient, as torch's clamp does; an infinite max_norm gives 1.
 MPF_HD float clip_coefficient(float sumsq, float max_norm) {
+  if (std::isinf(max_norm)) return 1.f;  // no clip: even an FP32 sum of squares that overflowed to inf
   const float coef = fdiv(max_norm, fadd(fsqrt(sumsq), 1e-6f));
   return !(coef >= 1.f) ? coef : 1.f;
 }

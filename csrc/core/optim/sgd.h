@@ -12,7 +12,7 @@ struct SgdPolicy : PolicyBase {
   static constexpr int kNumHyper = 5;
   static constexpr HyperSpec kHyper[kNumHyper] = {
       {"momentum", 0.0, kInf, false, false}, {"dampening", -kInf, kInf, false, false},
-      {"weight_decay", 0.0, kInf, false, false}, flag_spec("nesterov"), flag_spec("maximize")};
+      {"weight_decay", 0.0, kInf, false, false, true}, flag_spec("nesterov"), flag_spec("maximize")};
 
   struct Hyper {
     double momentum, dampening, weight_decay;
