@@ -169,7 +169,7 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
     tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
-    _C.optim_step_(policy, params, grads, masters, [list(states.get(n, ())) for n in spec["states"]], steps,
+    _C.optim_step_(policy, params, grads, masters, [states.get(n, ()) for n in spec["states"]], steps,
                    lr_value, lr_tensor, values, tensors if any(t is not None for t in tensors) else [], inv_scale,
                    grad_scale, clip_sumsq, float(max_norm), found_inf, counter, bool(write_grad))
 

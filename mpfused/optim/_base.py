@@ -330,7 +330,7 @@ class FusedOptimizer(Optimizer):
 
         clip = scaling.clip
         if clip is None:
-            clip = self._own_clip([p for _, ps in work for p in ps], scaling)
+            clip = self._own_clip(work, scaling)
         per_device: dict[torch.device, dict] = {}
 
         def device_scalars(device: torch.device) -> dict:
@@ -372,9 +372,10 @@ class FusedOptimizer(Optimizer):
                             p.grad.copy_(g)
         return loss
 
-    def _own_clip(self, params: list, scaling: StepScaling) -> Optional[tuple]:
+    def _own_clip(self, work: list, scaling: StepScaling) -> Optional[tuple]:
         """A clip the optimizer itself needs when the scaler gave none: ``(sumsq, max_norm)`` or None
-        (LAMB's max_grad_norm: the sum of squares of all unscaled gradients, max_norm infinite)."""
+        (LAMB's max_grad_norm: the sum of squares of all unscaled gradients, max_norm infinite). ``work``:
+        (group, params with a grad) per param group, validated."""
         return None
 
     def _counter(self, device: torch.device) -> torch.Tensor:
