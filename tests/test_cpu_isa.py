@@ -81,7 +81,7 @@ def test_unsupported_path_raises_naming_the_supported_ones():
 # subnormal and overflowing FP16 results), results saved bit for bit.
 KERNELS = """
 import sys, torch, mpfused
-from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD
 g = torch.Generator().manual_seed(7)
 out = {}
 for dt in (torch.float32, torch.float16, torch.bfloat16):
@@ -116,9 +116,10 @@ for inv in (2.0**-39, 2.0**-40, 2.0**-60, 2.0**63, 2.0**64, 3.0, 0.75):
         mpfused.non_finite_check_([part], found, torch.tensor(inv), sumsq=s)
         out[f"f16-edge-sumsq-{inv}-{part.numel()}-{float(part[0])}"] = [found, s]
 for dt in (torch.float16, torch.bfloat16):
-    ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099)]
+    ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099, 40000)]
     for opt in (FusedAdamW(ps, lr=1e-2, master_weights=True), FusedSGD(ps, lr=1e-2, momentum=0.9),
-                FusedAdam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=False)):
+                FusedAdam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=False),
+                FusedLAMB(ps, lr=1e-2), FusedLion(ps, lr=1e-3, weight_decay=0.1)):
         for i in range(3):
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g).to(dt)

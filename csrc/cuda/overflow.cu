@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../core/overflow.h"
+#include "../core/dispatch.h"
 #include "../kernels.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
@@ -94,17 +95,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float inv_scale = Mode::kScale ? *inv_scale_ptr : 1.f;
   uint32_t bad = 0;
   float acc = 0.f;
-  switch (static_cast<DType>(args.dtype[slot])) {
-    case DType::kFloat32:
-      process_chunk<DType::kFloat32, Mode>(static_cast<float*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
-      break;
-    case DType::kFloat16:
-      process_chunk<DType::kFloat16, Mode>(static_cast<uint16_t*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
-      break;
-    case DType::kBFloat16:
-      process_chunk<DType::kBFloat16, Mode>(static_cast<uint16_t*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
-      break;
-  }
+  dispatch_dtype(static_cast<DType>(args.dtype[slot]), [&](auto d) {
+    using T = typename Storage<decltype(d)::value>::type;
+    process_chunk<decltype(d)::value, Mode>(static_cast<T*>(args.ptr[slot]) + begin, n, inv_scale, bad, acc);
+  });
   const bool any_bad = __syncthreads_or(bad) != 0;
   if (!role.overwrite && any_bad && threadIdx.x == 0) *found_inf = 1.0f;  // a benign race: all store 1.0
   if (!Mode::kSumsq && !role.overwrite) return;
