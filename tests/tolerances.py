@@ -22,7 +22,7 @@ SUMSQ_RTOL = {
 NORM_ULP = 0.5
 
 # Optimizer parity with torch.optim over many steps, FP32 weights of magnitude ~1 (absolute tolerance).
-# Our kernels round every FP32 operation separately (core/optim.h); torch's vectorised CPU kernels fuse
+# Our kernels round every FP32 operation separately (core/optim/); torch's vectorised CPU kernels fuse
 # some multiply-adds (FMA) and its for-loop reference orders a few operations differently, so each step's
 # update can differ by a few ulp of an lr-sized value (lr 1e-3: ~1e-10), and the moments by a few ulp.
 # Over 50-100 steps this drift stays far below 1e-6 absolute; a wrong formula (a missing bias correction,
