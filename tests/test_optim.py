@@ -533,7 +533,7 @@ def test_state_whose_strides_differ_only_on_size_one_dims_is_accepted(device):
 # ---- CUDA only (skipped without a GPU) -----------------------------------------------------------------
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_step_is_sync_free_two_launches_and_graph_capturable():
+def test_cuda_step_is_sync_free_one_launch_and_graph_capturable():
     params = [torch.nn.Parameter(torch.randn(1000 + i, device="cuda").half()) for i in range(50)]
     lr = torch.tensor(1e-3, device="cuda")
     opt = FusedAdamW(params, lr=lr)
@@ -549,7 +549,8 @@ def test_cuda_step_is_sync_free_two_launches_and_graph_capturable():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "kernel" in e.name.lower()]
-    assert len([k for k in kernels if "optim_kernel" in k.name or "step_increment" in k.name]) == 2
+    # step() lends the kernel a counter: the update's last block advances the steps, one launch per group
+    assert len([k for k in kernels if "optim_kernel" in k.name or "step_increment" in k.name]) == 1
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
@@ -559,6 +560,37 @@ def test_cuda_step_is_sync_free_two_launches_and_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert opt.state[params[0]]["step"].item() == step_before + 1
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_kernel_entry_without_a_counter_launches_the_step_increment_and_gives_the_same_bits():
+    """Without a counter (the kernel entry's other path) a second, small launch advances the steps after
+    the update; with one, the update's last block does. Both give the same params, states and steps."""
+    def run(counter):
+        g = torch.Generator(device="cuda").manual_seed(11)
+        params = [torch.randn(70000 + i, device="cuda", generator=g) for i in range(3)] + [torch.zeros(0, device="cuda")]
+        grads = [torch.randn_like(p) for p in params]
+        m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        steps = [torch.zeros((), device="cuda") for _ in params]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                mpfused._ops.optim_step_("adam", params, grads, [None] * 4, dict(exp_avg=m, exp_avg_sq=v), steps,
+                                         lr=1e-2, hyper=dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                                             amsgrad=False, maximize=False, decoupled=True),
+                                         counter=torch.zeros(1, dtype=torch.int32, device="cuda") if counter else None)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = (sum("optim_kernel" in n for n in names), sum("step_increment" in n for n in names))
+        return params + m + v, [float(s) for s in steps], launches
+
+    with_counter, without = run(True), run(False)
+    assert with_counter[2][0] == without[2][0] == 2
+    assert without[2][1] == 2  # one increment launch per step
+    assert with_counter[2][1] == 2  # the empty tensor's step: no update launch holds it
+    assert with_counter[1] == without[1] == [2.0] * 4
+    for a, b in zip(with_counter[0], without[0]):
+        assert torch.equal(a, b)
 
 
 # ---- the scaler interface and the exported base ------------------------------------------------------
