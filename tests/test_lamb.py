@@ -9,6 +9,7 @@ import torch
 
 import mpfused
 from mpfused.optim import FusedLAMB, FusedOptimizer
+from optim_helpers import assert_same, fp32_weight, rounded, snapshot
 from tolerances import LAMB_WEIGHT_RTOL_PER_STEP
 
 SHAPES = [(16, 12), (12,), (7, 5), (30,)]  # params 0, 1 in group 0; 2, 3 in group 1
@@ -81,15 +82,6 @@ def fused_run(device, dtype, init, grads, **kw):
     return params, opt
 
 
-def rounded(tensors, dtype):
-    """What a run in ``dtype`` starts from or is fed: the values rounded to dtype."""
-    return [t.to(dtype) for t in tensors]
-
-
-def fp32_weight(opt, p):
-    return opt.state[p].get("master_param", p.detach())
-
-
 def tolerance(ref, steps):
     return steps * LAMB_WEIGHT_RTOL_PER_STEP * float(ref.abs().max())
 
@@ -111,25 +103,6 @@ def max_rel_diff(a_list, b_list):
     """The largest difference of two runs (per tensor, as a fraction of the tensor's largest |value|), in
     units of one step's tolerance."""
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(a_list, b_list)) / LAMB_WEIGHT_RTOL_PER_STEP
-
-
-def bits(t):
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def snapshot(opt, params):
-    return [bits(p) for p in params], [{k: bits(v) for k, v in opt.state[p].items()} for p in params]
-
-
-def assert_same(a, b):
-    """Two snapshots are equal bit for bit: params, state keys and state values."""
-    for x, y in zip(a[0], b[0], strict=True):
-        assert torch.equal(x, y)
-    for sa, sb in zip(a[1], b[1], strict=True):
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), k
 
 
 # ---- against the float64 reference ---------------------------------------------------------------------

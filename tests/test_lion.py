@@ -8,6 +8,7 @@ import torch
 
 import mpfused
 from mpfused.optim import FusedLion, FusedOptimizer
+from optim_helpers import assert_same, fp32_weight, rounded, snapshot
 from tolerances import LION_DIRECTION_ERROR_PER_STEP, LION_WEIGHT_RTOL_PER_STEP
 
 SHAPES = [(16, 12), (12,), (7, 5), (30,)]  # params 0, 1 in group 0; 2, 3 in group 1
@@ -63,14 +64,6 @@ def fused_run(device, dtype, init, grads, groups=GROUPS, **kw):
     return params, opt
 
 
-def rounded(tensors, dtype):
-    return [t.to(dtype) for t in tensors]
-
-
-def fp32_weight(opt, p):
-    return opt.state[p].get("master_param", p.detach())
-
-
 def tolerance(init_value, steps):
     """LION_WEIGHT_RTOL_PER_STEP per step of P, the largest |p| the run can reach."""
     lr = max(g["lr"] for g in GROUPS)
@@ -92,25 +85,6 @@ def assert_matches_reference(params, opt, init, reference, steps):
         # The momentum (the weights only see its sign): 5 roundings of at most G per step.
         torch.testing.assert_close(opt.state[p]["exp_avg"].double().cpu(), m, rtol=0,
                                    atol=steps * LION_DIRECTION_ERROR_PER_STEP * big)
-
-
-def bits(t):
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def snapshot(opt, params):
-    return [bits(p) for p in params], [{k: bits(v) for k, v in opt.state[p].items()} for p in params]
-
-
-def assert_same(a, b):
-    """Two snapshots are equal bit for bit: params, state keys and state values."""
-    for x, y in zip(a[0], b[0], strict=True):
-        assert torch.equal(x, y)
-    for sa, sb in zip(a[1], b[1], strict=True):
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), k
 
 
 # ---- against the float64 reference ---------------------------------------------------------------------
