@@ -103,7 +103,8 @@ def record_build_config(version: str, cuda: bool, arch_list) -> None:
 def make_extension(version: str):
     cuda = use_cuda()
     arch_list = None
-    sources = ["csrc/bindings.cpp"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    sources = ["csrc/bindings.cpp"] + sorted(
+        str(p.relative_to(ROOT)) for d in ("torch", "cpu") for p in (ROOT / "csrc" / d).glob("*.cpp"))
     define = [
         f'-DMPFUSED_VERSION="{version}"',
         f'-DMPFUSED_TORCH_VERSION="{torch.__version__}"',

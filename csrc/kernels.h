@@ -15,6 +15,8 @@
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
 #include "core/optim/registry.h"
+#include "core/philox.h"
+#include "core/stochastic.h"
 
 namespace mpf {
 
@@ -140,6 +142,23 @@ void gemm_epilogue_cpu(const float* acc, const GemmArgs& args, int num_threads);
 // so that both sides are read and written along their contiguous dimension.
 void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_t cols, float* dst, int num_threads);
 
+// ---- random bits and stochastic rounding (core/philox.h, core/stochastic.h) ------------------------
+// Element i of a call takes the Philox word of index offset + i in stream (s0, s1) under seed, so a
+// result depends only on (seed, stream, offset + i), never on threads, chunking or device.
+struct RandomArgs {
+  uint64_t seed;
+  uint64_t offset;  // the index of element 0 (offset + numel <= 2^64)
+  uint32_t s0, s1;  // the stream (philox.h's kStream*)
+  int64_t numel;
+};
+
+// The generator itself: out[4 i .. 4 i + 3] = Philox4x32-10 of counter ctr[4 i .. 4 i + 3], key (k0, k1).
+void philox_raw_cpu(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1);
+// words[i] = the word of element i (uint32).
+void philox_words_cpu(const RandomArgs& r, uint32_t* words, int num_threads);
+// dst[i] = src[i] (FP32) rounded stochastically to dst_dtype (FP16 or BF16) with the word of element i.
+void round_stochastic_cpu(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, int num_threads);
+
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
 // Scratch (per-tensor partial sums of two-pass policies) comes from `scratch`, on the stream.
@@ -147,6 +166,9 @@ void optim_step_cuda(const OptimArgs& args, const ScratchAllocator& scratch, voi
 void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
 // Throws std::runtime_error with a message for the user (e.g. BF16 on a GPU older than sm_80).
 void gemm_cuda(const GemmArgs& args, void* stream);
+void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
+void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
+void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

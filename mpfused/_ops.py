@@ -223,3 +223,59 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     out, pre = _C.gemm(a, b, _optional_tensor(bias, "bias"), activation, _number(alpha, "alpha"),
                        _number(beta, "beta"), _optional_tensor(c, "c"), out_dtype, bool(return_pre_activation))
     return (out, pre) if return_pre_activation else out
+
+
+# ---- random bits and stochastic rounding (csrc/core/philox.h, csrc/core/stochastic.h) ---------------
+_U64 = 1 << 64
+
+
+def check_u64(value, name: str, *, numel: int = 0) -> int:
+    """``value`` as a Python int in [0, 2^64), with ``value + numel <= 2^64`` (a seed, or the index of a
+    call's first element): a TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, torch.Tensor) or isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be a Python int in [0, 2**64), got {type(value).__name__} {value!r}")
+    v = int(value.__index__())
+    if not 0 <= v < _U64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {v}")
+    if v + numel > _U64:
+        raise ValueError(f"{name} + numel must be at most 2**64 (one stream's element indices), got {name}={v} "
+                         f"with {numel} elements")
+    return v
+
+
+def philox_words(numel: int, seed: int, offset: int = 0, stream: tuple = (0, 0),
+                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """The Philox4x32-10 words of elements ``offset .. offset + numel - 1`` of ``stream`` under ``seed``
+    (int64 tensor of values in [0, 2^32)): word ``e % 4`` of counter ``(e // 4 as two words, *stream)``
+    with key ``(seed & 0xffffffff, seed >> 32)``. For tests and for users who want the same bits."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    seed = check_u64(seed, "seed")
+    offset = check_u64(offset, "offset", numel=numel)
+    if not (isinstance(stream, tuple) and len(stream) == 2 and all(isinstance(s, int) and 0 <= s < 2**32 for s in stream)):
+        raise ValueError(f"stream must be a pair of ints in [0, 2**32), got {stream!r}")
+    words = _C.philox_words(numel, seed, offset, stream[0], stream[1], torch.device(device))
+    return words.to(torch.int64) & 0xFFFFFFFF
+
+
+def philox4x32_10(counters, key) -> torch.Tensor:
+    """Philox4x32-10 itself: ``counters`` a sequence of 4-word counters (ints in [0, 2^32)) or an (n, 4)
+    integer tensor on the CPU or a CUDA device, ``key`` a pair of words; returns the (n, 4) output words as
+    int64 values in [0, 2^32), on the counters' device. For known-answer tests of both backends."""
+    if not isinstance(counters, torch.Tensor):
+        counters = torch.tensor(counters, dtype=torch.int64)
+    if counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex():
+        raise ValueError(f"counters must be (n, 4) integer words, got {counters.dtype} of shape {tuple(counters.shape)}")
+    if not (isinstance(key, (tuple, list)) and len(key) == 2 and all(isinstance(k, int) and 0 <= k < 2**32 for k in key)):
+        raise ValueError(f"key must be a pair of ints in [0, 2**32), got {key!r}")
+    as_i32 = (counters.to(torch.int64) & 0xFFFFFFFF)
+    as_i32 = torch.where(as_i32 >= 2**31, as_i32 - 2**32, as_i32).to(torch.int32)
+    return _C.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
+
+
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a float32 tensor, got {type(x).__name__}")
+    seed = check_u64(seed, "seed")
+    offset = check_u64(offset, "offset", numel=x.numel())
+    return _C.round_stochastic(x, dtype, seed, offset)

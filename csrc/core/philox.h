@@ -1,0 +1,71 @@
+// Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011),
+// the counter-based generator behind every random bit mpfused uses (stochastic rounding). One
+// definition for the host and the device: a pure function of (counter, key), so a value depends only on
+// which element it is for, never on threads, chunking, launch shape or device.
+//
+// How mpfused keys it (philox_block): key = the 64-bit seed (low word first); counter = (block index, low
+// and high words; stream, two words). Element e of a stream takes word e % 4 of block e / 4, so element e
+// gets the same 32 bits whichever slice of the data it arrives in (round_stochastic(x[k:], offset=k)).
+#pragma once
+
+#include <cstdint>
+
+#include "numeric.h"
+
+namespace mpf {
+
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;  // the round multipliers
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;  // the key schedule's increments (golden ratio, sqrt(3) - 1)
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+// Streams: the two high counter words. Distinct users of one seed draw from distinct streams.
+constexpr uint32_t kStreamRound = 0;  // round_stochastic, fixed_point.quantize/matmul: (0, 0)
+constexpr uint32_t kStreamOptim = 1;  // an optimizer step's write-back: (step, kStreamOptim)
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+MPF_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+// The ten rounds on counter c with key (k0, k1).
+MPF_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    if (round > 0) {  // the key advances between rounds
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
+    }
+    const uint32_t hi0 = mulhi32(kPhiloxM0, c0), lo0 = kPhiloxM0 * c0;
+    const uint32_t hi1 = mulhi32(kPhiloxM1, c2), lo1 = kPhiloxM1 * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// Block `block` of stream (s0, s1) under `seed`: the random words of elements 4 * block .. 4 * block + 3.
+MPF_HD Philox4 philox_block(uint64_t seed, uint64_t block, uint32_t s0, uint32_t s1) {
+  return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), s0, s1,
+                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// The random word of element `index` of stream (s0, s1) (computes its whole block: loops that visit
+// consecutive elements should use philox_block once per four).
+MPF_HD uint32_t philox_word(uint64_t seed, uint64_t index, uint32_t s0, uint32_t s1) {
+  return philox_block(seed, index >> 2, s0, s1).v[index & 3];
+}
+
+}  // namespace mpf

@@ -1,0 +1,110 @@
+// CUDA backend of the random bits and of stochastic rounding. A thread computes one Philox block, the
+// words of four consecutive element indices, and rounds those four elements: the same words and the
+// same core/stochastic.h functions as the CPU backend, so both give the same bits.
+#include <cstdint>
+
+#include "../core/dispatch.h"
+#include "../kernels.h"
+#include "common.cuh"
+
+namespace mpf {
+namespace {
+
+constexpr int kThreads = 256;
+
+// The Philox blocks that cover elements [0, n) of a call whose element 0 has index `offset`.
+__host__ __device__ inline uint64_t blocks_of(const RandomArgs& r) {
+  const uint64_t lead = r.offset & 3u;
+  return (lead + static_cast<uint64_t>(r.numel) + 3) / 4;
+}
+
+// Element i of the call for lane k of block b (b counted from the block of element 0), or -1.
+__device__ __forceinline__ int64_t element_of(const RandomArgs& r, uint64_t b, int k) {
+  const int64_t i = static_cast<int64_t>(b * 4 + static_cast<uint64_t>(k)) - static_cast<int64_t>(r.offset & 3u);
+  return i >= 0 && i < r.numel ? i : -1;
+}
+
+__global__ void __launch_bounds__(kThreads) words_kernel(RandomArgs r, uint32_t* __restrict__ out) {
+  const uint64_t nblocks = blocks_of(r);
+  for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
+    const Philox4 p = philox_block(r.seed, (r.offset >> 2) + b, r.s0, r.s1);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = element_of(r, b, k);
+      if (i >= 0) out[i] = p.v[k];
+    }
+  }
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kThreads) round_kernel(RandomArgs r, const float* __restrict__ src,
+                                                         uint16_t* __restrict__ dst) {
+  const uint64_t nblocks = blocks_of(r);
+  // Aligned fast path: element 0 starts a block and both pointers allow 16-byte loads and 8-byte stores.
+  const bool aligned = (r.offset & 3u) == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
+                       (reinterpret_cast<uintptr_t>(dst) & 7u) == 0;
+  for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
+    const Philox4 p = philox_block(r.seed, (r.offset >> 2) + b, r.s0, r.s1);
+    const int64_t i0 = static_cast<int64_t>(b * 4);
+    if (aligned && i0 + 4 <= r.numel) {
+      const float4 x = *reinterpret_cast<const float4*>(src + i0);
+      ushort4 y;
+      y.x = float_to_bits_sr<D>(x.x, p.v[0]);
+      y.y = float_to_bits_sr<D>(x.y, p.v[1]);
+      y.z = float_to_bits_sr<D>(x.z, p.v[2]);
+      y.w = float_to_bits_sr<D>(x.w, p.v[3]);
+      *reinterpret_cast<ushort4*>(dst + i0) = y;
+      continue;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = element_of(r, b, k);
+      if (i >= 0) dst[i] = float_to_bits_sr<D>(src[i], p.v[k]);
+    }
+  }
+}
+
+__global__ void raw_kernel(const uint32_t* __restrict__ ctr, uint32_t* __restrict__ out, int64_t n, uint32_t k0,
+                           uint32_t k1) {
+  const int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x;
+  if (i >= n) return;
+  const Philox4 p = philox4x32_10(ctr[4 * i], ctr[4 * i + 1], ctr[4 * i + 2], ctr[4 * i + 3], k0, k1);
+  for (int k = 0; k < 4; ++k) out[4 * i + k] = p.v[k];
+}
+
+int grid_for(uint64_t nblocks) {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const uint64_t want = (nblocks + kThreads - 1) / kThreads;
+  const uint64_t cap = static_cast<uint64_t>(sms) * 8;  // grid-stride beyond a few waves
+  return static_cast<int>(want < cap ? want : cap);
+}
+
+}  // namespace
+
+void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream) {
+  if (n == 0) return;
+  raw_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      ctr, out, n, k0, k1);
+  cuda_check(cudaGetLastError(), "philox launch");
+}
+
+void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream) {
+  if (r.numel == 0) return;
+  words_kernel<<<grid_for(blocks_of(r)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(r, words);
+  cuda_check(cudaGetLastError(), "philox_words launch");
+}
+
+void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream) {
+  if (r.numel == 0) return;
+  const int grid = grid_for(blocks_of(r));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (dst_dtype == DType::kFloat16)
+    round_kernel<DType::kFloat16><<<grid, kThreads, 0, s>>>(r, src, static_cast<uint16_t*>(dst));
+  else
+    round_kernel<DType::kBFloat16><<<grid, kThreads, 0, s>>>(r, src, static_cast<uint16_t*>(dst));
+  cuda_check(cudaGetLastError(), "round_stochastic launch");
+}
+
+}  // namespace mpf

@@ -1,0 +1,116 @@
+// The torch side's shared checks and helpers: every file under csrc/torch/ and bindings.cpp validate
+// at::Tensor arguments with these, so a message reads the same whichever op raises it. Header-only,
+// inline, in namespace mpf_torch.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../kernels.h"
+
+#ifdef MPFUSED_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace mpf_torch {
+
+using mpf::DType;
+
+[[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+inline std::string describe(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.scalar_type() << " tensor of shape " << t.sizes() << " on " << t.device();
+  return s.str();
+}
+
+// The kernels' storage dtype of a torch dtype; false for every other dtype.
+inline bool kernel_dtype(at::ScalarType s, DType* d) {
+  switch (s) {
+    case at::kFloat: *d = DType::kFloat32; return true;
+    case at::kHalf: *d = DType::kFloat16; return true;
+    case at::kBFloat16: *d = DType::kBFloat16; return true;
+    default: return false;
+  }
+}
+
+inline DType storage_dtype(const at::Tensor& t, const std::string& name) {
+  DType d;
+  if (!kernel_dtype(t.scalar_type(), &d)) fail(name + " must be a float32, float16 or bfloat16 tensor, got a " + describe(t));
+  return d;
+}
+
+// A tensor whose operations Python intercepts (DTensor, wrapper subclasses, FakeTensor) has no memory of
+// its own that a kernel could address: its data pointer is null or belongs to something else. Raised as
+// a TypeError, before anything is written.
+inline void check_plain(const at::Tensor& t, const std::string& name) {
+  if (t.key_set().has(c10::DispatchKey::Python) || (t.layout() == at::kStrided && !t.has_storage()))
+    throw pybind11::type_error(name + " is a tensor subclass that overrides __torch_dispatch__ (such as DTensor), "
+                               "or has no storage; mpfused's kernels take plain dense tensors. Pass its local "
+                               "data (for DTensor: .to_local()).");
+}
+
+inline void check_dense(const at::Tensor& t, const std::string& name) {
+  if (!t.defined()) fail(name + " must be a tensor, got None");
+  check_plain(t, name);
+  if (t.layout() != at::kStrided) fail(name + " must be a dense (strided) tensor, got a sparse " + describe(t));
+}
+
+// A float32 tensor of exactly one element on `device`: found_inf, inv_scale, sumsq.
+inline void check_scalar(const at::Tensor& t, const std::string& name, const at::Device& device) {
+  check_dense(t, name);
+  if (t.scalar_type() != at::kFloat || t.numel() != 1)
+    fail(name + " must be a float32 tensor with one element, got a " + describe(t));
+  if (t.device() != device)
+    fail(name + " must be on " + device.str() + " like the tensors it goes with, got a " + describe(t));
+}
+
+inline void check_backend(const at::Device& device, const std::string& name) {
+  if (device.is_cpu()) return;
+  if (device.is_cuda()) {
+#ifdef MPFUSED_WITH_CUDA
+    return;
+#else
+    fail(name + " is on " + device.str() + ", but this mpfused build has no CUDA kernels (built CPU-only). "
+         "Rebuild on a machine with nvcc and a CUDA-enabled torch: "
+         "pip install --no-build-isolation --force-reinstall --no-deps mpfused (from the source tree: "
+         "pip install --no-build-isolation .), without MPFUSED_FORCE_CPU set.");
+#endif
+  }
+  fail(name + " must be on a cpu or cuda device, got " + device.str());
+}
+
+#ifdef MPFUSED_WITH_CUDA
+// Scratch memory from torch's caching allocator; the blocks are held by `keep` until the launcher
+// returns, after which the allocator may reuse them for later work on the same stream (safe).
+struct TorchScratch {
+  std::vector<at::Tensor> keep;
+  at::Device device;
+  static void* alloc(void* ctx, int64_t bytes) {
+    auto* self = static_cast<TorchScratch*>(ctx);
+    self->keep.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(self->device)));
+    return self->keep.back().data_ptr();
+  }
+};
+#endif
+
+// A caller-owned int32 tensor of one element on `device`, zero between calls: the kernels' counter.
+inline unsigned int* counter_ptr(const std::optional<at::Tensor>& t, const std::string& name, const at::Device& device) {
+  if (!t) return nullptr;
+  check_dense(*t, name);
+  if (t->scalar_type() != at::kInt || t->numel() != 1 || t->device() != device)
+    fail(name + " must be a zeroed int32 tensor with one element on " + device.str() + ", got a " + describe(*t));
+  return reinterpret_cast<unsigned int*>(t->data_ptr<int32_t>());
+}
+
+// The ops defined outside bindings.cpp, one file each under csrc/torch/: each adds its functions to the
+// module (bindings.cpp calls them from PYBIND11_MODULE).
+void bind_random(pybind11::module_& m);  // csrc/torch/random.cpp: round_stochastic, philox
+
+}  // namespace mpf_torch

@@ -1,0 +1,90 @@
+// The torch side of the random bits and of stochastic rounding: checks, then the CPU or CUDA backend.
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+namespace mpf_torch {
+namespace {
+
+mpf::RandomArgs random_args(int64_t numel, uint64_t seed, uint64_t offset, uint32_t s0, uint32_t s1) {
+  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel))
+    fail("offset + numel must be at most 2^64 (the element indices of one stream), got offset " +
+         std::to_string(offset) + " with " + std::to_string(numel) + " elements");
+  return mpf::RandomArgs{seed, offset, s0, s1, numel};
+}
+
+// The words of elements offset .. offset + numel - 1 of stream (s0, s1), as int32 bit patterns.
+at::Tensor philox_words(int64_t numel, uint64_t seed, uint64_t offset, uint32_t s0, uint32_t s1,
+                        const at::Device& device) {
+  check_backend(device, "device");
+  if (numel < 0) fail("numel must be >= 0, got " + std::to_string(numel));
+  const mpf::RandomArgs r = random_args(numel, seed, offset, s0, s1);
+  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(at::kInt).device(device));
+  auto* words = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  if (device.is_cpu()) {
+    mpf::philox_words_cpu(r, words, at::get_num_threads());
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(device);
+    mpf::philox_words_cuda(r, words, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+  }
+  return out;
+}
+
+// Philox4x32-10 of each row of `counters` ((n, 4) int32 bit patterns) under key (k0, k1).
+at::Tensor philox4x32_10(const at::Tensor& counters, uint32_t k0, uint32_t k1) {
+  check_dense(counters, "counters");
+  check_backend(counters.device(), "counters");
+  if (counters.scalar_type() != at::kInt || counters.dim() != 2 || counters.size(1) != 4)
+    fail("counters must be an int32 tensor of shape (n, 4), got a " + describe(counters));
+  const at::Tensor ctr = counters.contiguous();
+  at::Tensor out = at::empty_like(ctr);
+  const auto* c = reinterpret_cast<const uint32_t*>(ctr.data_ptr<int32_t>());
+  auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  if (ctr.device().is_cpu()) {
+    mpf::philox_raw_cpu(c, o, ctr.size(0), k0, k1);
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(ctr.device());
+    mpf::philox_raw_cuda(c, o, ctr.size(0), k0, k1, c10::cuda::getCurrentCUDAStream(ctr.device().index()).stream());
+#endif
+  }
+  return out;
+}
+
+at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, uint64_t seed, uint64_t offset) {
+  check_dense(x, "x");
+  check_backend(x.device(), "x");
+  if (x.scalar_type() != at::kFloat) fail("x must be a float32 tensor, got a " + describe(x));
+  if (dtype != at::kHalf && dtype != at::kBFloat16)
+    fail(std::string("dtype must be torch.float16 or torch.bfloat16, got ") + c10::toString(dtype));
+  const at::Tensor src = x.contiguous();
+  const mpf::RandomArgs r = random_args(src.numel(), seed, offset, mpf::kStreamRound, 0);
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
+  const mpf::DType d = dtype == at::kHalf ? mpf::DType::kFloat16 : mpf::DType::kBFloat16;
+  if (x.device().is_cpu()) {
+    mpf::round_stochastic_cpu(r, src.data_ptr<float>(), out.data_ptr(), d, at::get_num_threads());
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    mpf::round_stochastic_cuda(r, src.data_ptr<float>(), out.data_ptr(), d,
+                               c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+#endif
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_random(pybind11::module_& m) {
+  m.def("philox_words", &philox_words, pybind11::arg("numel"), pybind11::arg("seed"), pybind11::arg("offset"),
+        pybind11::arg("s0"), pybind11::arg("s1"), pybind11::arg("device"),
+        "Philox4x32-10 words of elements offset.. of stream (s0, s1) under seed, as int32 bit patterns.");
+  m.def("philox4x32_10", &philox4x32_10, pybind11::arg("counters"), pybind11::arg("k0"), pybind11::arg("k1"),
+        "The generator itself: Philox4x32-10 of each (n, 4) int32 counter row under key (k0, k1).");
+  m.def("round_stochastic", &round_stochastic, pybind11::arg("x"), pybind11::arg("dtype"), pybind11::arg("seed"),
+        pybind11::arg("offset"), "FP32 -> FP16/BF16 with stochastic rounding keyed by (seed, offset + index).");
+}
+
+}  // namespace mpf_torch
