@@ -245,9 +245,11 @@ def check_u64(value, name: str, *, numel: int = 0) -> int:
 
 def philox_words(numel: int, seed: int, offset: int = 0, stream: tuple = (0, 0),
                  device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """The Philox4x32-10 words of elements ``offset .. offset + numel - 1`` of ``stream`` under ``seed``
-    (int64 tensor of values in [0, 2^32)): word ``e % 4`` of counter ``(e // 4 as two words, *stream)``
-    with key ``(seed & 0xffffffff, seed >> 32)``. For tests and for users who want the same bits."""
+    """The random bits of elements ``offset .. offset + numel - 1`` of ``stream`` under ``seed``, as the
+    rounding kernels take them (int64 values in [0, 2^32) whose low 16 bits are zero): element ``e`` gets
+    16 bits of Philox4x32-10 with key ``(seed & 0xffffffff, seed >> 32)`` and counter ``(e // 8 as two
+    words, *stream)``: word ``e // 2 % 4``, low half for even ``e``, high half for odd, shifted up by 16.
+    For tests and for users who want the same bits."""
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     seed = check_u64(seed, "seed")
@@ -273,9 +275,14 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     return _C.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
 
 
-def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a float32 tensor, got {type(x).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {type(dtype).__name__} {dtype!r}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
     seed = check_u64(seed, "seed")
     offset = check_u64(offset, "offset", numel=x.numel())
-    return _C.round_stochastic(x, dtype, seed, offset)
+    return _C.round_stochastic(x, dtype, seed, offset, out)

@@ -13,6 +13,8 @@ threads, chunking, launch shape or device (CPU and CUDA give the same bits), and
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _ops
@@ -23,15 +25,16 @@ philox_words = _ops.philox_words
 philox4x32_10 = _ops.philox4x32_10
 
 
-def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seed: int, offset: int = 0) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seed: int, offset: int = 0,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x`` (a float32 tensor on the CPU or a CUDA device) rounded stochastically to ``dtype``
     (``torch.float16`` or ``torch.bfloat16``). Returns a new tensor of ``x``'s shape; elements are indexed
     in ``x``'s row-major order.
 
     - Values of the target format (zeros included) are returned unchanged.
-    - Probabilities: exact for BF16 (the 16 dropped bits against 16 random bits); for FP16 exact wherever
-      the dropped part has at most 24 bits (all of FP16's normal range, every ``|x| >= 2**-25``), within
-      2^-24 below that.
+    - Probabilities: exact for BF16 (its 16 dropped bits against 16 random bits) and in FP16's normal
+      range (13 dropped bits); on FP16's subnormal grid only the first 16 dropped bits count, so the
+      probability is exact to 2^-16 there.
     - Subnormal results are rounded on the subnormal grid like any other.
     - Overflow: the grid continues one step past the largest finite value, to 2^16 (FP16) or 2^128
       (BF16), and that step is infinity: ``x`` above the largest finite value ``m`` becomes ``inf`` with
@@ -40,5 +43,11 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seed: int, offset: 
     - ``inf`` stays ``inf`` and NaN stays NaN.
 
     ``seed``: an int in [0, 2^64). ``offset``: the index of element 0 (``offset + x.numel() <= 2^64``).
+    ``out``: a contiguous ``dtype`` tensor of ``x``'s shape on its device, not overlapping ``x``, to write
+    into (returned); by default a new tensor.
+
+    The random bits: element ``i`` takes 16 bits of Philox4x32-10 (key = ``seed``, counter =
+    ``((offset + i) // 8`` as two words, 0, 0``), word ``(offset + i) // 2 % 4``, its low half for even
+    ``offset + i``): :func:`philox_words` returns them.
     """
-    return _ops.round_stochastic(x, dtype, seed, offset)
+    return _ops.round_stochastic(x, dtype, seed, offset, out)

@@ -139,3 +139,13 @@ LION_DIRECTION_ERROR_PER_STEP = 5 * 2.0**-24
 # largest |p| of the run (<= max |p0| + steps * lr, which is >= lr); the decay factor <= 1 does not amplify
 # earlier errors. Per step, times P:
 LION_WEIGHT_RTOL_PER_STEP = 4 * 2.0**-24
+
+# Stochastic rounding, checked statistically (tests/test_random.py): the fraction of N samples of x that
+# round up is binomial with mean p = (x - a) / (b - a); it must lie within this many standard deviations
+# sqrt(p (1 - p) / N) of p. 5 sigma: a false failure has probability ~6e-7 per check (the bits are fixed
+# by the seeds, so a passing run passes every time); a rounding that is off by 1/64 of a step (N = 2^16:
+# sigma <= 0.002) fails.
+SR_SIGMAS = 5.0
+# ... plus the generator's resolution where the dropped part is longer than the 16 random bits (FP16's
+# subnormal grid): the probability is then rounded down to a multiple of 2^-16 (core/stochastic.h).
+SR_FP16_SUBNORMAL_RESOLUTION = 2.0**-16

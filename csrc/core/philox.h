@@ -3,9 +3,12 @@
 // definition for the host and the device: a pure function of (counter, key), so a value depends only on
 // which element it is for, never on threads, chunking, launch shape or device.
 //
-// How mpfused keys it (philox_block): key = the 64-bit seed (low word first); counter = (block index, low
-// and high words; stream, two words). Element e of a stream takes word e % 4 of block e / 4, so element e
-// gets the same 32 bits whichever slice of the data it arrives in (round_stochastic(x[k:], offset=k)).
+// How mpfused keys it: key = the 64-bit seed (low word first); counter = (block index, low and high words;
+// stream, two words). One block gives 128 bits: eight elements of 16 bits each. Element e of a stream
+// takes the 16 bits of block e / 8, word (e / 2) % 4, low half for even e and high half for odd e, so
+// element e gets the same bits whichever slice of the data it arrives in (round_stochastic(x[k:],
+// offset=k)). 16 bits per element are exactly the bits BF16 rounding drops, and cost half the Philox
+// rounds of a word per element: on the CPU the generator, not memory, bounds stochastic rounding.
 #pragma once
 
 #include <cstdint>
@@ -56,16 +59,25 @@ MPF_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
   return Philox4{{c0, c1, c2, c3}};
 }
 
-// Block `block` of stream (s0, s1) under `seed`: the random words of elements 4 * block .. 4 * block + 3.
+constexpr int kElementsPerBlock = 8;
+
+// Block `block` of stream (s0, s1) under `seed`: the random bits of elements 8 * block .. 8 * block + 7.
 MPF_HD Philox4 philox_block(uint64_t seed, uint64_t block, uint32_t s0, uint32_t s1) {
   return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), s0, s1,
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
-// The random word of element `index` of stream (s0, s1) (computes its whole block: loops that visit
-// consecutive elements should use philox_block once per four).
+// The random bits of element k (0..7) of a block, as the top 16 bits of a 32-bit value (the low 16 are
+// zero): what the rounding functions take as `r` (they compare with its top bits).
+MPF_HD uint32_t philox_bits(const Philox4& p, int k) {
+  const uint32_t w = p.v[k >> 1];
+  return (k & 1) ? (w & 0xFFFF0000u) : (w << 16);
+}
+
+// The random bits of element `index` of stream (s0, s1) (computes its whole block: loops over consecutive
+// elements should call philox_block once per eight and philox_bits for each).
 MPF_HD uint32_t philox_word(uint64_t seed, uint64_t index, uint32_t s0, uint32_t s1) {
-  return philox_block(seed, index >> 2, s0, s1).v[index & 3];
+  return philox_bits(philox_block(seed, index >> 3, s0, s1), static_cast<int>(index & 7));
 }
 
 }  // namespace mpf

@@ -1,13 +1,15 @@
 // Stochastic rounding of FP32 to FP16 and BF16, for the host and the device.
 //
 // A value x between neighbours a < b of the target format becomes b with probability (x - a) / (b - a)
-// and a otherwise, so the rounding is unbiased: E[round(x)] = x. `r` is 32 uniform random bits (core/
-// philox.h); the functions are pure, so the same (x, r) gives the same bits on every backend.
+// and a otherwise, so the rounding is unbiased: E[round(x)] = x. `r` holds 16 uniform random bits in its
+// top half (core/philox.h's philox_word; the low half is ignored); the functions are pure, so the same
+// (x, r) gives the same bits on every backend.
 //
 //   - Values on the grid (every FP16/BF16 value, zeros of both signs) pass through unchanged.
-//   - Resolution: BF16 compares the 16 dropped bits of x with 16 random bits, so its probabilities are
-//     exact. FP16 compares the dropped part with 24 random bits: exact wherever that part has at most 24
-//     bits (every x in FP16's normal range and |x| >= 2^-25), within 2^-24 otherwise.
+//   - Resolution: BF16 compares the 16 dropped bits of x with the 16 random bits, so its probabilities
+//     are exact. FP16 drops 13 bits in its normal range (exact too); on its subnormal grid the dropped
+//     part can be longer, and only its first 16 bits count: the probability is then exact to 2^-16
+//     (rounded down to a multiple of 2^-16; exact for every |x| that is a multiple of 2^-40).
 //   - Subnormal targets: the grid below the smallest normal is the subnormal grid (2^-24 for FP16,
 //     2^-133 for BF16), and x rounds between its two subnormal (or zero) neighbours the same way.
 //   - Overflow: the grid continues one step past the largest finite value, to 2^16 (FP16) or 2^128 (BF16),
@@ -35,24 +37,27 @@ MPF_HD uint16_t float_to_bf16_bits_sr(float f, uint32_t r) {
 }
 
 // The FP16 value x rounds to, as an FP32 (exactly representable in FP16, or inf, or NaN): the CPU narrows
-// blocks of these with its vector conversion, which is exact on them.
+// blocks of these with its vector conversion, which is exact on them. Integer operations only, so that
+// the CPU loops vectorise.
 MPF_HD float f16_sr_value(float f, uint32_t r) {
   const uint32_t u = float_as_bits(f);
   const uint32_t a = u & 0x7fffffffu;
-  // The FP16 step at |x| is 2^(e - 10) for the unbiased exponent e in [-14, 15], 2^-24 below (subnormals);
-  // clamping the biased exponent to [113, 143] gives that, and for |x| >= 2^16 a step whose every multiple
-  // at or above |x| is inf in FP16.
+  // FP16's normal range (|x| >= 2^-14): FP16 keeps 10 of FP32's 23 mantissa bits. Adding 13 random bits
+  // to the 13 dropped ones carries into the kept part with probability dropped / 2^13, exactly; a carry
+  // out of the largest binade lands on 2^16, which FP16 cannot hold: inf.
+  const uint32_t normal = (a + (r >> 19)) & 0xFFFFE000u;
+  // Subnormal range: |x| in units of 2^-40 (16 bits below FP16's subnormal step 2^-24; truncated), plus
+  // 16 random bits, then the whole steps: code 1024 is 2^-14, the smallest normal.
   uint32_t e = a >> 23;
-  e = e < 113u ? 113u : e;
-  e = e > 143u ? 143u : e;
-  // |x| in steps (exact: a power-of-two scaling of a finite value), its whole steps and the dropped part.
-  float q = bits_as_float(a) * bits_as_float((264u - e) << 23);  // * 2^(10 - (e - 127))
-  q = q < 4096.f ? q : 4096.f;  // inf and huge values (NaN too: the compare is false) to 2^12 steps: inf below
-  const float whole = static_cast<float>(static_cast<int32_t>(q));
-  const float frac = q - whole;  // exact
-  const float up = static_cast<float>(r >> 8) < frac * 16777216.f ? 1.f : 0.f;
-  const float v = (whole + up) * bits_as_float((e - 10u) << 23);  // back to a value: exact, or >= 2^16
-  return bits_as_float(select_bits(a >= 0x7f800000u, u, (u & 0x80000000u) | float_as_bits(v)));  // inf, NaN: x
+  e = e < 1u ? 1u : e;
+  e = e > 112u ? 112u : e;  // only |x| < 2^-14 uses this value; the clamp keeps every shift defined
+  const uint32_t m = (a & 0x7fffffu) | (a >= 0x00800000u ? 0x00800000u : 0u);
+  const uint32_t rshift = 110u - (e < 110u ? e : 110u);
+  const uint32_t n40 = e > 110u ? m << (e - 110u) : m >> (rshift < 31u ? rshift : 31u);
+  const uint32_t code = (n40 + (r >> 16)) >> 16;
+  const float sub = static_cast<float>(static_cast<int32_t>(code)) * 0x1p-24f;
+  const uint32_t mag = select_bits(a >= 0x38800000u, normal, float_as_bits(sub));
+  return bits_as_float(select_bits(a >= 0x7f800000u, u, (u & 0x80000000u) | mag));  // inf and NaN: x itself
 }
 
 MPF_HD uint16_t float_to_f16_bits_sr(float f, uint32_t r) { return float_to_f16_bits(f16_sr_value(f, r)); }

@@ -1,5 +1,5 @@
 // CUDA backend of the random bits and of stochastic rounding. A thread computes one Philox block, the
-// words of four consecutive element indices, and rounds those four elements: the same words and the
+// bits of eight consecutive element indices, and rounds those eight elements: the same words and the
 // same core/stochastic.h functions as the CPU backend, so both give the same bits.
 #include <cstdint>
 
@@ -14,24 +14,24 @@ constexpr int kThreads = 256;
 
 // The Philox blocks that cover elements [0, n) of a call whose element 0 has index `offset`.
 __host__ __device__ inline uint64_t blocks_of(const RandomArgs& r) {
-  const uint64_t lead = r.offset & 3u;
-  return (lead + static_cast<uint64_t>(r.numel) + 3) / 4;
+  const uint64_t lead = r.offset & 7u;
+  return (lead + static_cast<uint64_t>(r.numel) + 7) / 8;
 }
 
-// Element i of the call for lane k of block b (b counted from the block of element 0), or -1.
+// Element i of the call for element k of block b (b counted from the block of element 0), or -1.
 __device__ __forceinline__ int64_t element_of(const RandomArgs& r, uint64_t b, int k) {
-  const int64_t i = static_cast<int64_t>(b * 4 + static_cast<uint64_t>(k)) - static_cast<int64_t>(r.offset & 3u);
+  const int64_t i = static_cast<int64_t>(b * 8 + static_cast<uint64_t>(k)) - static_cast<int64_t>(r.offset & 7u);
   return i >= 0 && i < r.numel ? i : -1;
 }
 
 __global__ void __launch_bounds__(kThreads) words_kernel(RandomArgs r, uint32_t* __restrict__ out) {
   const uint64_t nblocks = blocks_of(r);
   for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
-    const Philox4 p = philox_block(r.seed, (r.offset >> 2) + b, r.s0, r.s1);
+    const Philox4 p = philox_block(r.seed, (r.offset >> 3) + b, r.s0, r.s1);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 8; ++k) {
       const int64_t i = element_of(r, b, k);
-      if (i >= 0) out[i] = p.v[k];
+      if (i >= 0) out[i] = philox_bits(p, k);
     }
   }
 }
@@ -40,26 +40,28 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads) round_kernel(RandomArgs r, const float* __restrict__ src,
                                                          uint16_t* __restrict__ dst) {
   const uint64_t nblocks = blocks_of(r);
-  // Aligned fast path: element 0 starts a block and both pointers allow 16-byte loads and 8-byte stores.
-  const bool aligned = (r.offset & 3u) == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
-                       (reinterpret_cast<uintptr_t>(dst) & 7u) == 0;
+  // Aligned fast path: element 0 starts a block and both pointers allow 16-byte accesses.
+  const bool aligned = (r.offset & 7u) == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
+                       (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
   for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
-    const Philox4 p = philox_block(r.seed, (r.offset >> 2) + b, r.s0, r.s1);
-    const int64_t i0 = static_cast<int64_t>(b * 4);
-    if (aligned && i0 + 4 <= r.numel) {
-      const float4 x = *reinterpret_cast<const float4*>(src + i0);
-      ushort4 y;
-      y.x = float_to_bits_sr<D>(x.x, p.v[0]);
-      y.y = float_to_bits_sr<D>(x.y, p.v[1]);
-      y.z = float_to_bits_sr<D>(x.z, p.v[2]);
-      y.w = float_to_bits_sr<D>(x.w, p.v[3]);
-      *reinterpret_cast<ushort4*>(dst + i0) = y;
+    const Philox4 p = philox_block(r.seed, (r.offset >> 3) + b, r.s0, r.s1);
+    const int64_t i0 = static_cast<int64_t>(b * 8);
+    if (aligned && i0 + 8 <= r.numel) {
+      const float4 x0 = *reinterpret_cast<const float4*>(src + i0);
+      const float4 x1 = *reinterpret_cast<const float4*>(src + i0 + 4);
+      const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      uint32_t packed[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        packed[k] = static_cast<uint32_t>(float_to_bits_sr<D>(x[2 * k], philox_bits(p, 2 * k))) |
+                    (static_cast<uint32_t>(float_to_bits_sr<D>(x[2 * k + 1], philox_bits(p, 2 * k + 1))) << 16);
+      *reinterpret_cast<uint4*>(dst + i0) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       continue;
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 8; ++k) {
       const int64_t i = element_of(r, b, k);
-      if (i >= 0) dst[i] = float_to_bits_sr<D>(src[i], p.v[k]);
+      if (i >= 0) dst[i] = float_to_bits_sr<D>(src[i], philox_bits(p, k));
     }
   }
 }

@@ -53,26 +53,40 @@ at::Tensor philox4x32_10(const at::Tensor& counters, uint32_t k0, uint32_t k1) {
   return out;
 }
 
-at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, uint64_t seed, uint64_t offset) {
+at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, uint64_t seed, uint64_t offset,
+                            const std::optional<at::Tensor>& out) {
   check_dense(x, "x");
   check_backend(x.device(), "x");
   if (x.scalar_type() != at::kFloat) fail("x must be a float32 tensor, got a " + describe(x));
   if (dtype != at::kHalf && dtype != at::kBFloat16)
     fail(std::string("dtype must be torch.float16 or torch.bfloat16, got ") + c10::toString(dtype));
+  if (out) {
+    check_dense(*out, "out");
+    if (out->scalar_type() != dtype || out->sizes() != x.sizes() || out->device() != x.device() ||
+        !out->is_contiguous())
+      fail("out must be a contiguous " + std::string(c10::toString(dtype)) + " tensor of x's shape " +
+           c10::str(x.sizes()) + " on " + x.device().str() + ", got a " + describe(*out) +
+           (out->is_contiguous() ? "" : " (not contiguous)"));
+  }
   const at::Tensor src = x.contiguous();
+  if (out && src.numel() > 0) {  // the kernel reads src while it writes out: they must not share memory
+    const auto* sb = static_cast<const char*>(src.data_ptr());
+    const auto* ob = static_cast<const char*>(out->data_ptr());
+    if (sb < ob + out->numel() * 2 && ob < sb + src.numel() * 4) fail("out must not overlap x");
+  }
   const mpf::RandomArgs r = random_args(src.numel(), seed, offset, mpf::kStreamRound, 0);
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
+  at::Tensor dst = out ? *out : at::empty(src.sizes(), src.options().dtype(dtype));
   const mpf::DType d = dtype == at::kHalf ? mpf::DType::kFloat16 : mpf::DType::kBFloat16;
   if (x.device().is_cpu()) {
-    mpf::round_stochastic_cpu(r, src.data_ptr<float>(), out.data_ptr(), d, at::get_num_threads());
+    mpf::round_stochastic_cpu(r, src.data_ptr<float>(), dst.data_ptr(), d, at::get_num_threads());
   } else {
 #ifdef MPFUSED_WITH_CUDA
     const c10::cuda::CUDAGuard guard(x.device());
-    mpf::round_stochastic_cuda(r, src.data_ptr<float>(), out.data_ptr(), d,
+    mpf::round_stochastic_cuda(r, src.data_ptr<float>(), dst.data_ptr(), d,
                                c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
 #endif
   }
-  return out;
+  return dst;
 }
 
 }  // namespace
@@ -84,7 +98,7 @@ void bind_random(pybind11::module_& m) {
   m.def("philox4x32_10", &philox4x32_10, pybind11::arg("counters"), pybind11::arg("k0"), pybind11::arg("k1"),
         "The generator itself: Philox4x32-10 of each (n, 4) int32 counter row under key (k0, k1).");
   m.def("round_stochastic", &round_stochastic, pybind11::arg("x"), pybind11::arg("dtype"), pybind11::arg("seed"),
-        pybind11::arg("offset"), "FP32 -> FP16/BF16 with stochastic rounding keyed by (seed, offset + index).");
+        pybind11::arg("offset"), pybind11::arg("out") = pybind11::none(), "FP32 -> FP16/BF16 with stochastic rounding keyed by (seed, offset + index).");
 }
 
 }  // namespace mpf_torch
