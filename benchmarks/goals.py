@@ -105,6 +105,14 @@ GOALS: tuple[Goal, ...] = (
          "launch queue every iteration", scope="CUDA"),
     Goal("scaler", "(c)", "ours: kernel launches per param group per iteration", "<=", 3, "{}", "cuda",
          "one clip pass (inf check + sum of squares), one fused update, one scale update", scope="CUDA"),
+    # ---- bench_random.py: mpfused.round_stochastic ------------------------------------------------------
+    Goal("random", "(a)", "round_stochastic, % of copy roof", ">=", 85.0, "{:.0f}%", "any",
+         "one pass that reads 4 and writes 2 bytes per element: it should run at the memory's copy speed, as "
+         "the round-to-nearest conversion does, less the noise of a roof measured on a shared machine; the "
+         "random bits must not be the bottleneck (the run prints the generator's own ceiling beside it)"),
+    Goal("random", "(b)", "round_stochastic vs torch randint + add + shift (BF16)", ">=", 2.0, "{:.1f}x", "any",
+         "torch's composite writes and reads an int32 tensor of random numbers and makes two more passes (add, "
+         "shift and narrow): about 3x our traffic", dtype="BF16"),
     # ---- bench_gemm.py: mpfused.gemm and FusedLinear -------------------------------------------------------
     Goal("gemm", "(a)", "ours vs torch's FP16 matmul (CPU)", ">=", 20.0, "{:.0f}x", "cpu",
          "torch's FP16 CPU GEMM is a slow fallback (about 0.4 to 2.4 GFLOP/s) that exact widening plus "
