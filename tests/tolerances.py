@@ -139,3 +139,10 @@ LION_DIRECTION_ERROR_PER_STEP = 5 * 2.0**-24
 # largest |p| of the run (<= max |p0| + steps * lr, which is >= lr); the decay factor <= 1 does not amplify
 # earlier errors. Per step, times P:
 LION_WEIGHT_RTOL_PER_STEP = 4 * 2.0**-24
+
+# Stochastic rounding's unbiasedness (tests/test_fixed_point.py): n roundings of one value x = a + p * eps
+# round up Binomial(n, p) times (p exact: the fraction of x is a multiple of 2^-32 in those tests), so the
+# count is within this many binomial standard deviations sqrt(n p (1 - p)) of n p except with probability
+# below 6e-7 per check (the normal tail at 5 sigma); a rounding biased by 1% of p at n = 2^18 is off by
+# more than 10 sigma for p >= 0.1. The same bound for the mean of n independent roundings of a weight.
+SR_MEAN_SIGMAS = 5.0
