@@ -173,8 +173,8 @@ def test_same_bits_for_every_thread_count():
 # ---- the MACC -----------------------------------------------------------------------------------------
 def ref_matmul(a, b, fa, fb, fo, rounding="nearest", seed=0, offset=0):
     """Python integers: the exact sum, rounded once (floor + the nearest/stochastic rule), saturated."""
+    (m, k), n = a.shape, b.shape[1]
     a, b = a.tolist(), b.tolist()
-    m, k, n = len(a), len(b), len(b[0]) if b else 0
     s = fa[1] + fb[1] - fo[1]
     lo, hi = -(1 << (sum(fo) - 1)), (1 << (sum(fo) - 1)) - 1
     w = philox_words(m * n, seed, offset).tolist() if rounding == "stochastic" else None
