@@ -113,6 +113,13 @@ GOALS: tuple[Goal, ...] = (
     Goal("random", "(b)", "round_stochastic vs torch randint + add + shift (BF16)", ">=", 2.0, "{:.1f}x", "any",
          "torch's composite writes and reads an int32 tensor of random numbers and makes two more passes (add, "
          "shift and narrow): about 3x our traffic", dtype="BF16"),
+    # ---- bench_fixed_point.py: mpfused.fixed_point Convert ------------------------------------------------
+    Goal("fixed_point", "(a)", "quantize nearest, % of the same-bytes copy x.clone()", ">=", 85.0, "{:.0f}%", "cpu",
+         "Convert reads 4 B and writes 4 B per element into a new tensor, as x.clone() does; the rounding in "
+         "double must keep up with memory, less the noise of a shared machine", scope="CPU"),
+    Goal("fixed_point", "(b)", "quantize stochastic, % of the same-bytes copy x.clone()", ">=", 85.0, "{:.0f}%", "cpu",
+         "the same traffic as (a): the Philox words are computed in vectorised blocks that stay in L1, never "
+         "read from memory", scope="CPU"),
     # ---- bench_gemm.py: mpfused.gemm and FusedLinear -------------------------------------------------------
     Goal("gemm", "(a)", "ours vs torch's FP16 matmul (CPU)", ">=", 20.0, "{:.0f}x", "cpu",
          "torch's FP16 CPU GEMM is a slow fallback (about 0.4 to 2.4 GFLOP/s) that exact widening plus "

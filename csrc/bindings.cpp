@@ -647,6 +647,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mpfused native kernels (see mpfused._ops for the typed Python wrappers)";
   m.def("build_info", &build_info, "What this extension was compiled with.");
   mpf_torch::bind_random(m);
+  mpf_torch::bind_fixed_point(m);
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "core/fixed_point.h"
 #include "core/gemm.h"
 #include "core/loss_scale.h"
 #include "core/multi_tensor_plan.h"
@@ -159,6 +160,40 @@ void philox_words_cpu(const RandomArgs& r, uint32_t* words, int num_threads);
 // dst[i] = src[i] (FP32) rounded stochastically to dst_dtype (FP16 or BF16) with the word of element i.
 void round_stochastic_cpu(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, int num_threads);
 
+// ---- fixed point <IL, FL> (core/fixed_point.h): Convert and the MACC -------------------------------
+// dst[i] = Convert(src[i], fmt): the code (dst_type int16/int32: it must hold WL bits) or the value on the
+// grid (float32, exact when WL <= 24; float64). Stochastic rounding takes the Philox word of element
+// offset + i of stream (kStreamRound, 0) under seed, as round_stochastic does.
+struct FixedQuantizeArgs {
+  const void* src;
+  FixedType src_type;  // kFloat32, kFloat64, kFloat16 or kBFloat16
+  void* dst;
+  FixedType dst_type;  // kInt16, kInt32, kFloat32 or kFloat64
+  int64_t numel;
+  FixedFormat fmt;
+  Rounding rounding;
+  uint64_t seed, offset;
+};
+
+// out (m, n) = the codes of fmt_out of a (m, k) @ b (k, n), a and b codes (row-major, contiguous): the
+// products summed exactly in int64 (fixed_macc_fits holds), rounded once (fixed_round_shift), saturated.
+// Stochastic rounding of output element (i, j) takes the word of element offset + i * n + j.
+struct FixedMatmulArgs {
+  const void* a;
+  FixedType a_type;  // kInt16 or kInt32
+  const void* b;
+  FixedType b_type;  // kInt16 or kInt32
+  void* out;
+  FixedType out_type;  // kInt16 or kInt32
+  int64_t m, n, k;     // m, n, k >= 0
+  FixedShift shift;    // FLa + FLb - FLout and the output's code range
+  Rounding rounding;
+  uint64_t seed, offset;
+};
+
+void fixed_quantize_cpu(const FixedQuantizeArgs& args, int num_threads);
+void fixed_matmul_cpu(const FixedMatmulArgs& args, int num_threads);
+
 // ---- CUDA (defined only in a CUDA build) ----------------------------------------------------------
 void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scratch, void* stream);
 // Scratch (per-tensor partial sums of two-pass policies) comes from `scratch`, on the stream.
@@ -169,6 +204,8 @@ void gemm_cuda(const GemmArgs& args, void* stream);
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);
+void fixed_quantize_cuda(const FixedQuantizeArgs& args, void* stream);
+void fixed_matmul_cuda(const FixedMatmulArgs& args, void* stream);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

@@ -14,6 +14,10 @@ the three effects of the mixed-precision paper (Micikevicius et al., ICLR 2018):
 3. lost updates: the fraction of the real O2 weight updates (new master - old master) that change
    nothing when added to the FP16 weights, against the FP32 master copy.
 
+A last panel trains in 16-bit fixed point (Gupta et al., ICML 2015) with round-to-nearest and with
+stochastic rounding: the functions of examples/fixed_point_gupta.py on scikit-learn's digits (skipped,
+with a note, when scikit-learn is not installed).
+
 Everything printed, and more, goes to ``<out>/demo.json``; the figure to ``<out>/demo.png`` (with
 matplotlib, a dependency of this demo only, not of mpfused).
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpfused
+
+# The fixed-point panel reuses examples/fixed_point_gupta.py (a script beside this one, not a package).
+_FPG_SPEC = importlib.util.spec_from_file_location("fixed_point_gupta", Path(__file__).resolve().parent /
+                                                   "fixed_point_gupta.py")
+fixed_point_gupta = importlib.util.module_from_spec(_FPG_SPEC)
+_FPG_SPEC.loader.exec_module(fixed_point_gupta)
 
 # Training text: the source of standard-library modules (plain Python, shipped with CPython). The
 # held-out text is other modules, so the held-out loss measures what generalises.
@@ -464,7 +475,7 @@ def write_figure(res, path: Path) -> bool:
               "O2": dict(color="tab:blue", lw=1.5), "O3": dict(color="tab:purple", lw=1),
               "O2 no scaling": dict(color="tab:red", lw=1.5)}
     w = summary["loss_tracking"]["smoothing_window"]
-    fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
+    fig, axes = plt.subplots(3, 3, figsize=(18, 14))
 
     # 1: histogram of the FP32 activation-gradient magnitudes at the last probe, unscaled and scaled.
     ax = axes[0][0]
@@ -564,6 +575,27 @@ def write_figure(res, path: Path) -> bool:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_xlim(right=1.45 * max(a + b for a, b in zip(weights, state)))
 
+    # 4: fixed point (Gupta et al.): test error curves per rounding, and the final errors per format.
+    fp = res.get("fixed_point")
+    if fp is not None:
+        fixed_point_gupta.plot_curves({"nearest": axes[2][0], "stochastic": axes[2][1]}, fp)
+        ax = axes[2][2]
+        by = {(r["fl"], r["rounding"]): r for r in fp["runs"]}
+        fls = fp["config"]["fls"]
+        xs = list(range(len(fls)))
+        for k, (rounding, color) in enumerate((("nearest", "tab:red"), ("stochastic", "tab:blue"))):
+            ax.bar([x + (k - 0.5) * 0.4 for x in xs], [100 * by[(fl, rounding)]["final_test_error"] for fl in fls],
+                   width=0.4, color=color, label=rounding)
+        ax.axhline(100 * fp["runs"][0]["final_test_error"], color="black", lw=1.5, label="FP32")
+        ax.set_xticks(xs, [f"<{fp['wl'] - fl},{fl}>" for fl in fls])
+        ax.set_ylabel("final test error, %")
+        ax.set_title(f"Fixed point, WL={fp['wl']}: after {fp['config']['epochs']} epochs")
+        ax.legend(fontsize=7)
+    else:
+        for ax in axes[2]:
+            ax.text(0.5, 0.5, "fixed-point panel skipped (scikit-learn not installed)", ha="center", transform=ax.transAxes)
+            ax.set_axis_off()
+
     fig.suptitle(f"mpfused demo: character-level LM on Python stdlib source, {res['device']}, "
                  f"{res['config']['steps']} steps x {res['config']['tokens']} predictions, seed {res['seed']}")
     fig.tight_layout()
@@ -581,6 +613,24 @@ def _json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+def fixed_point_panel(quick: bool, seed: int):
+    """The digits MLP in 16-bit fixed point (examples/fixed_point_gupta.py), on the CPU with one torch
+    thread (its matrices are 32 x 100); None when scikit-learn is missing."""
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        print("fixed-point panel skipped: scikit-learn is not installed (pip install scikit-learn)")
+        return None
+    cfg = dict(fixed_point_gupta.CONFIGS["quick" if quick else "full"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print(f"fixed point: digits MLP, {cfg['epochs']} epochs per setting")
+        return fixed_point_gupta.run_all(cfg, seed, progress=print)
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -645,11 +695,15 @@ def main(argv=None):
         "table_fields": TABLE_FIELDS, "runs": runs, "summary": summary,
     }
     res["verdicts"] = verdicts(summary, runs)
+    res["fixed_point"] = fixed_point_panel(args.quick, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print()
     print_table(runs)
     print_effects(res)
+    if res["fixed_point"] is not None:
+        print("4. Fixed point (Gupta et al. 2015), examples/fixed_point_gupta.py:", end="")
+        fixed_point_gupta.print_table(res["fixed_point"])
     png = out / "demo.png"
     res["figure"] = str(png) if write_figure(res, png) else None
     res["seconds_total"] = time.perf_counter() - t_start

@@ -286,3 +286,18 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int
     seed = check_u64(seed, "seed")
     offset = check_u64(offset, "offset", numel=x.numel())
     return _C.round_stochastic(x, dtype, seed, offset, out)
+
+
+# ---- fixed point <IL, FL> (csrc/core/fixed_point.h) ---------------------------------------------------
+def fixed_point_quantize(x: torch.Tensor, il: int, fl: int, stochastic: bool, seed: int, offset: int,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """Convert(x, <il, fl>) as int16/int32 codes or float32/float64 values (see mpfused.fixed_point);
+    arguments already validated by the caller, checked again natively."""
+    return _C.fixed_point_quantize(x, il, fl, bool(stochastic), seed, offset, out_dtype)
+
+
+def fixed_point_matmul(a: torch.Tensor, b: torch.Tensor, fmt_a: tuple, fmt_b: tuple, fmt_out: tuple,
+                       stochastic: bool, seed: int, offset: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fixed-point MACC on codes (see mpfused.fixed_point.matmul); formats as (il, fl) pairs."""
+    return _C.fixed_point_matmul(a, b, fmt_a[0], fmt_a[1], fmt_b[0], fmt_b[1], fmt_out[0], fmt_out[1],
+                                 bool(stochastic), seed, offset, out_dtype)

@@ -106,6 +106,18 @@ def test_fp32_masters_keep_updates_that_fp16_weights_lose(run):
     assert res["verdicts"]["loss_curves"]
 
 
+def test_fixed_point_panel(run):
+    res, _ = run
+    fp = res["fixed_point"]
+    if fp is None:
+        pytest.skip("scikit-learn is not installed: the demo skips its fixed-point panel")
+    fls = fp["config"]["fls"]
+    assert len(fp["runs"]) == 1 + 2 * len(fls) and fp["runs"][0]["name"] == "FP32"
+    for r in fp["runs"]:
+        assert 0 <= r["final_test_error"] < 0.5, r["name"]  # every setting learns (chance is 0.9)
+    assert [row["fl"] for row in fp["update_ratios"]] == list(fls)
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         demo.main(["--steps", "1", "--out", str(tmp_path)])

@@ -140,7 +140,8 @@ LION_DIRECTION_ERROR_PER_STEP = 5 * 2.0**-24
 # earlier errors. Per step, times P:
 LION_WEIGHT_RTOL_PER_STEP = 4 * 2.0**-24
 
-# Stochastic rounding, checked statistically (tests/test_random.py): the fraction of N samples of x that
+# Stochastic rounding, checked statistically (tests/test_random.py, tests/test_fixed_point.py, the
+# optimizers' stochastic write-back): the fraction of N samples of x that
 # round up is binomial with mean p = (x - a) / (b - a); it must lie within this many standard deviations
 # sqrt(p (1 - p) / N) of p. 5 sigma: a false failure has probability ~6e-7 per check (the bits are fixed
 # by the seeds, so a passing run passes every time); a rounding that is off by 1/64 of a step (N = 2^16:

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +11,17 @@ namespace mpf {
 
 inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mpfused: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Blocks of `threads` threads for a grid-stride loop over `items` work items: enough to cover them, but no
+// more than 8 blocks per SM (beyond a few waves, the threads loop).
+inline int grid_stride_blocks(uint64_t items, int threads) {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const uint64_t want = (items + threads - 1) / threads;
+  const uint64_t cap = static_cast<uint64_t>(sms) * 8;
+  return static_cast<int>(want < cap ? want : cap);
 }
 
 // Sum over the block; the result is valid in thread 0. Fixed shuffle tree: deterministic.

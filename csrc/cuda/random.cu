@@ -74,14 +74,7 @@ __global__ void raw_kernel(const uint32_t* __restrict__ ctr, uint32_t* __restric
   for (int k = 0; k < 4; ++k) out[4 * i + k] = p.v[k];
 }
 
-int grid_for(uint64_t nblocks) {
-  int device = 0, sms = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const uint64_t want = (nblocks + kThreads - 1) / kThreads;
-  const uint64_t cap = static_cast<uint64_t>(sms) * 8;  // grid-stride beyond a few waves
-  return static_cast<int>(want < cap ? want : cap);
-}
+int grid_for(uint64_t nblocks) { return grid_stride_blocks(nblocks, kThreads); }
 
 }  // namespace
 

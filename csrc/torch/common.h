@@ -112,5 +112,6 @@ inline unsigned int* counter_ptr(const std::optional<at::Tensor>& t, const std::
 // The ops defined outside bindings.cpp, one file each under csrc/torch/: each adds its functions to the
 // module (bindings.cpp calls them from PYBIND11_MODULE).
 void bind_random(pybind11::module_& m);  // csrc/torch/random.cpp: round_stochastic, philox
+void bind_fixed_point(pybind11::module_& m);  // csrc/torch/fixed_point.cpp: fixed-point quantize, matmul
 
 }  // namespace mpf_torch

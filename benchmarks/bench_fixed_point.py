@@ -1,0 +1,149 @@
+"""Benchmark of fixed point <IL,FL> (``mpfused.fixed_point``): Convert's throughput and the MACC.
+
+Convert (``quantize``: float32 in, float32 values out; ``encode``: float32 in, int16 codes out) of a large
+standard-normal tensor, with round-to-nearest and with stochastic rounding (Philox words drawn on the fly),
+against anchors measured in the same run, round-robin with our calls:
+
+- ``x.clone()``: the same bytes as ``quantize`` (read 4 B, write 4 B per element into a new tensor; the
+  anchor the goals use, since both allocate their output and pay for its first touch);
+- ``x.to(torch.float16)``: the same bytes as ``encode`` (read 4 B, write 2 B into a new tensor);
+- the copy roof of the harness (``y.copy_(x)`` into a buffer that exists already), for context.
+
+The MACC: ``matmul`` of int16 codes of <4,12> (M = K = N, default 512) rounded into <8,8>, against
+``torch.matmul`` of the same codes as int64 and as float64 tensors (both exact at these sizes), INFO only:
+torch has no fixed-point product, and ours also rounds and saturates every output.
+
+Goals (benchmarks/goals.py): (a) quantize with round-to-nearest and (b) with stochastic rounding, each at
+least 85% of the same-bytes copy's throughput on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from mpfused import fixed_point as fxp
+
+from .goals import goal
+from . import harness as h
+
+NAME = "fixed_point"
+FMT = (4, 12)      # the quantized format (WL 16)
+OUT_FMT = (8, 8)   # the MACC's output format
+SEED = 0
+
+
+def quantize_methods(x: torch.Tensor) -> list[tuple[str, str, int, Any]]:
+    """(name, anchor name or "", bytes per element, callable) for Convert and its anchors."""
+    return [
+        ("anchor x.clone()", "", 8, lambda: x.clone()),
+        ("anchor x.to(float16)", "", 6, lambda: x.to(torch.float16)),
+        ("quantize nearest (f32 -> f32)", "anchor x.clone()", 8, lambda: fxp.quantize(x, *FMT)),
+        ("quantize stochastic (f32 -> f32)", "anchor x.clone()", 8,
+         lambda: fxp.quantize(x, *FMT, rounding="stochastic", seed=SEED)),
+        ("encode nearest (f32 -> int16)", "anchor x.to(float16)", 6, lambda: fxp.encode(x, *FMT)),
+        ("encode stochastic (f32 -> int16)", "anchor x.to(float16)", 6,
+         lambda: fxp.encode(x, *FMT, rounding="stochastic", seed=SEED)),
+    ]
+
+
+def matmul_methods(size: int, device: torch.device) -> list[tuple[str, Any]]:
+    gen = torch.Generator().manual_seed(SEED)
+    a = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
+    b = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
+    a64, b64, af, bf = a.long(), b.long(), a.double(), b.double()
+    # Agreement before timing: our nearest-rounded result against the int64 product rounded the same way.
+    exact = a64 @ b64
+    shift = FMT[1] * 2 - OUT_FMT[1]
+    floor, rem = exact >> shift, exact & ((1 << shift) - 1)
+    ref = (floor + (rem > (1 << (shift - 1))).long()).clamp(-(1 << 15), (1 << 15) - 1)
+    if not torch.equal(fxp.matmul(a, b, FMT, FMT, OUT_FMT).long(), ref):
+        raise RuntimeError("fixed-point matmul disagrees with the int64 reference")
+    return [
+        ("matmul nearest (int16 codes)", lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT)),
+        ("matmul stochastic (int16 codes)", lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT, rounding="stochastic", seed=SEED)),
+        ("torch int64 matmul", lambda: a64 @ b64),
+        ("torch float64 matmul", lambda: af @ bf),
+    ]
+
+
+def main() -> None:
+    parser = h.make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=None, help="elements quantized (default 32M, 4M with --quick)")
+    parser.add_argument("--size", type=int, default=None, help="M = K = N of the MACC (default 512, 128 with --quick)")
+    args = h.parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 2, "cuda": 5})
+    device: torch.device = args.device
+    n = args.elements or (4_000_000 if args.quick else 32_000_000)
+    size = args.size or (128 if args.quick else 512)
+
+    machine = h.machine_info(device)
+    roofs = h.measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))
+    h.print_header(NAME, machine, roofs)
+    h.print_text(f"Convert of {n / 1e6:.0f}M float32 elements to <{FMT[0]},{FMT[1]}>; MACC {size}^3 of <{FMT[0]},{FMT[1]}> "
+               f"codes into <{OUT_FMT[0]},{OUT_FMT[1]}>; {args.warmup} warm-up + up to {args.repeats} timed calls")
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(SEED)).to(device) * 4
+    probe = h.RoofProbe(device)
+    methods = quantize_methods(x)
+    copy_t, *timings = h.time_interleaved([probe.copy] + [m[3] for m in methods], device, warmup=args.warmup,
+                                        repeats=args.repeats, max_seconds=args.max_seconds)
+    copy_roof = 2 * probe.buffer_bytes / copy_t.median
+    del probe
+    records: list[dict[str, Any]] = []
+    by_name = {}
+    for (name, anchor, per_elem, _), t in zip(methods, timings):
+        bps = n * per_elem / t.median
+        by_name[name] = bps
+        records.append({"task": "convert", "method": name, "anchor": anchor or None, "elements": n,
+                        "bytes": n * per_elem, "timing": t.to_dict(), "GBps": bps / h.GB,
+                        "pct_copy_roof": 100 * bps / copy_roof})
+    for r in records:
+        r["pct_anchor"] = 100 * by_name[r["method"]] / by_name[r["anchor"]] if r["anchor"] else None
+    rows = [["copy roof: y.copy_(x) of 400 MB, preallocated", f"{copy_t.median * 1e3:.3f}", f"{copy_roof / h.GB:.1f}",
+             "100.0", "", ""]]
+    for r in records:
+        t = r["timing"]
+        rows.append([r["method"], f"{t['median_s'] * 1e3:.3f}", f"{r['GBps']:.1f}", f"{r['pct_copy_roof']:.1f}",
+                     "" if r["pct_anchor"] is None else f"{r['pct_anchor']:.1f}", r["anchor"] or ""])
+    h.print_table(f"Convert on {device.type}: median ms; GB/s of the bytes each call must move", [
+        "method", "median ms", "GB/s", "% copy roof", "% anchor", "anchor"], rows,
+        [False, True, True, True, True, False])
+
+    mm = matmul_methods(size, device)
+    mm_t = h.time_interleaved([m[1] for m in mm], device, warmup=args.warmup, repeats=args.repeats,
+                            max_seconds=args.max_seconds)
+    macs = size ** 3
+    torch_int64 = mm_t[2].median
+    mm_rows = []
+    for (name, _), t in zip(mm, mm_t):
+        records.append({"task": "matmul", "method": name, "size": size, "timing": t.to_dict(),
+                        "GMACps": macs / t.median / 1e9, "speed_vs_torch_int64": torch_int64 / t.median})
+        mm_rows.append([name, f"{t.median * 1e3:.2f}", f"{macs / t.median / 1e9:.2f}", f"{torch_int64 / t.median:.2f}x"])
+    h.print_table(f"MACC {size}x{size}x{size} on {device.type} (INFO)", ["method", "median ms", "GMAC/s", "vs torch int64"],
+                mm_rows, [False, True, True, True])
+
+    targets = []
+    for label, method in (("(a)", "quantize nearest (f32 -> f32)"), ("(b)", "quantize stochastic (f32 -> f32)")):
+        g = goal(NAME, label)
+        value = next(r["pct_anchor"] for r in records if r["method"] == method)
+        verdict = ("PASS" if g.met(value) else "FAIL") if g.applies(device) else "INFO"
+        targets.append({"target": g.title, "measured": f"{value:.1f}%", "threshold": g.text(), "verdict": verdict,
+                        "value": value})
+    h.print_table("Project targets", ["target", "measured", "target value", "verdict"],
+                [[t["target"], t["measured"], t["threshold"], t["verdict"]] for t in targets], [False, True, False, False])
+    decided = [t for t in targets if t["verdict"] in ("PASS", "FAIL")]
+    h.print_text(f"targets: {sum(t['verdict'] == 'PASS' for t in decided)}/{len(decided)} PASS")
+    machine["cpu_busy_after_run"] = h.cpu_busy_fraction()
+    h.warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
+
+    out: Optional[object] = h.json_path(args, NAME)
+    if out is not None:
+        h.write_json(out, machine, roofs, records, targets=targets, copy_roof_interleaved_GBps=copy_roof / h.GB,
+                   config={"elements": n, "size": size, "fmt": FMT, "out_fmt": OUT_FMT, "seed": SEED,
+                           "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats})
+        h.print_text(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+// CUDA backend of fixed point <IL, FL> (core/fixed_point.h). Convert: a thread computes one Philox block,
+// the random bits of eight consecutive element indices, and converts those eight elements (as
+// round_stochastic does). The MACC: 64 x 64 output tiles, 256 threads of 4 x 4 outputs each, the k dimension staged through
+// shared memory 16 at a time, exact int64 sums, and the final rounding with each output element's word:
+// the same core functions and words as the CPU backend, so both give the same codes.
+#include <cstdint>
+
+#include "../kernels.h"
+#include "common.cuh"
+
+namespace mpf {
+namespace {
+
+constexpr int kThreads = 256;
+
+// The Philox blocks that cover elements [0, numel) of a call whose element 0 has index `offset`.
+__host__ __device__ inline uint64_t blocks_for(uint64_t offset, int64_t numel) {
+  return ((offset & 7u) + static_cast<uint64_t>(numel) + 7) / 8;
+}
+
+template <FixedType S, FixedType D>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a, FixedQuant q) {
+  const auto* __restrict__ src = static_cast<const typename FixedElem<S>::type*>(a.src);
+  auto* __restrict__ dst = static_cast<typename FixedElem<D>::type*>(a.dst);
+  const uint64_t nblocks = blocks_for(a.offset, a.numel);
+  const int64_t lead = static_cast<int64_t>(a.offset & 7u);
+  const bool stochastic = a.rounding == Rounding::kStochastic;
+  for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
+    Philox4 p{{0u, 0u, 0u, 0u}};
+    if (stochastic) p = philox_block(a.seed, (a.offset >> 3) + b, kStreamRound, 0);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = static_cast<int64_t>(b * 8 + static_cast<uint64_t>(k)) - lead;
+      if (i < 0 || i >= a.numel) continue;
+      const int32_t code = stochastic ? fixed_code(FixedElem<S>::load(src[i]), q, Rounding::kStochastic, philox_bits(p, k))
+                                      : fixed_code(FixedElem<S>::load(src[i]), q, Rounding::kNearest, 0u);
+      dst[i] = fixed_store<D>(code, q);
+    }
+  }
+}
+
+constexpr int kTile = 64;              // output rows and columns per block
+constexpr int kTileK = 16;             // k per shared-memory stage
+constexpr int kSide = 16;              // threads per side: 16 x 16 = kThreads
+constexpr int kPer = kTile / kSide;    // outputs per thread per side (4 x 4)
+static_assert(kSide * kSide == kThreads, "one thread per 4 x 4 outputs");
+
+// Output (i, j) of the tile at (m0, n0) for thread (ty, tx): rows m0 + ty + 16 r, columns n0 + tx + 16 c,
+// so that a warp reads 16 consecutive columns of the B stage (no bank conflicts) and 2 rows of A (broadcast).
+template <FixedType A, FixedType B, FixedType O>
+__global__ void __launch_bounds__(kThreads) matmul_kernel(FixedMatmulArgs g) {
+  __shared__ int32_t as[kTileK][kTile];  // as[p][r]: a[m0 + r, k0 + p]
+  __shared__ int32_t bs[kTileK][kTile];  // bs[p][c]: b[k0 + p, n0 + c]
+  const auto* __restrict__ a = static_cast<const typename FixedElem<A>::type*>(g.a);
+  const auto* __restrict__ b = static_cast<const typename FixedElem<B>::type*>(g.b);
+  auto* __restrict__ out = static_cast<typename FixedElem<O>::type*>(g.out);
+  const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  int64_t acc[kPer][kPer];
+#pragma unroll
+  for (int r = 0; r < kPer; ++r)
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) acc[r][c] = 0;
+
+  for (int64_t k0 = 0; k0 < g.k; k0 += kTileK) {
+    // Stage a[m0 .. m0 + 63, k0 .. k0 + 15] and b[k0 .. k0 + 15, n0 .. n0 + 63]: 1024 values each, 4 per thread,
+    // zero outside the matrices (a zero adds nothing to the sums).
+#pragma unroll
+    for (int e = threadIdx.x; e < kTile * kTileK; e += kThreads) {
+      const int ar = e / kTileK, ap = e % kTileK;  // consecutive threads read along a's rows
+      const int64_t ai = m0 + ar, ak = k0 + ap;
+      as[ap][ar] = ai < g.m && ak < g.k ? static_cast<int32_t>(a[ai * g.k + ak]) : 0;
+      const int bp = e / kTile, bc = e % kTile;  // and along b's rows
+      const int64_t bk = k0 + bp, bj = n0 + bc;
+      bs[bp][bc] = bk < g.k && bj < g.n ? static_cast<int32_t>(b[bk * g.n + bj]) : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < kTileK; ++p) {
+      int32_t av[kPer], bv[kPer];
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) av[r] = as[p][ty + kSide * r];
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) bv[c] = bs[p][tx + kSide * c];
+#pragma unroll
+      for (int r = 0; r < kPer; ++r)
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[r][c] += static_cast<int64_t>(av[r]) * bv[c];  // mul.wide.s32
+    }
+    __syncthreads();
+  }
+
+  const bool stochastic = g.rounding == Rounding::kStochastic;
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int64_t i = m0 + ty + kSide * r;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const int64_t j = n0 + tx + kSide * c;
+      if (i >= g.m || j >= g.n) continue;
+      const int64_t e = i * g.n + j;
+      const int32_t code =
+          stochastic ? fixed_round_shift(acc[r][c], g.shift, Rounding::kStochastic,
+                                         philox_word(g.seed, g.offset + static_cast<uint64_t>(e), kStreamRound, 0))
+                     : fixed_round_shift(acc[r][c], g.shift, Rounding::kNearest, 0u);
+      out[e] = static_cast<typename FixedElem<O>::type>(code);
+    }
+  }
+}
+
+}  // namespace
+
+void fixed_quantize_cuda(const FixedQuantizeArgs& a, void* stream) {
+  if (a.numel == 0) return;
+  const int grid = grid_stride_blocks(blocks_for(a.offset, a.numel), kThreads);
+  const FixedQuant q = fixed_quant(a.fmt);
+  auto s = static_cast<cudaStream_t>(stream);
+  dispatch_value_type(a.src_type, [&](auto st) {
+    dispatch_out_type(a.dst_type, [&](auto dt) {
+      quantize_kernel<decltype(st)::value, decltype(dt)::value><<<grid, kThreads, 0, s>>>(a, q);
+    });
+  });
+  cuda_check(cudaGetLastError(), "fixed_point quantize launch");
+}
+
+void fixed_matmul_cuda(const FixedMatmulArgs& g, void* stream) {
+  if (g.m == 0 || g.n == 0) return;
+  // The torch layer limits m and n so that the grid fits (rows of tiles <= 65535).
+  const dim3 grid(static_cast<unsigned>((g.n + kTile - 1) / kTile), static_cast<unsigned>((g.m + kTile - 1) / kTile));
+  auto s = static_cast<cudaStream_t>(stream);
+  dispatch_code_type(g.a_type, [&](auto at) {
+    dispatch_code_type(g.b_type, [&](auto bt) {
+      dispatch_code_type(g.out_type, [&](auto ot) {
+        matmul_kernel<decltype(at)::value, decltype(bt)::value, decltype(ot)::value><<<grid, kThreads, 0, s>>>(g);
+      });
+    });
+  });
+  cuda_check(cudaGetLastError(), "fixed_point matmul launch");
+}
+
+}  // namespace mpf

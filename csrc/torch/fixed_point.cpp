@@ -1,0 +1,149 @@
+// The torch side of fixed point <IL, FL>: Convert (quantize/encode) and the MACC (matmul). Every argument
+// is checked before anything is allocated or launched; then the CPU or CUDA backend runs.
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+namespace mpf_torch {
+namespace {
+
+using mpf::FixedType;
+
+mpf::FixedFormat fixed_format(int64_t il, int64_t fl, const std::string& name) {
+  if (il < 1 || fl < 0 || il + fl > mpf::kFixedMaxWordLength)
+    fail(name + " must have il >= 1, fl >= 0 and il + fl <= 32, got il=" + std::to_string(il) + ", fl=" +
+         std::to_string(fl));
+  return mpf::FixedFormat{static_cast<int32_t>(il), static_cast<int32_t>(fl)};
+}
+
+mpf::Rounding rounding_of(bool stochastic) { return stochastic ? mpf::Rounding::kStochastic : mpf::Rounding::kNearest; }
+
+// offset + numel <= 2^64: the element indices of one stream.
+void check_offset(uint64_t offset, int64_t numel) {
+  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel))
+    fail("offset + numel must be at most 2^64 (the element indices of one stream), got offset " +
+         std::to_string(offset) + " with " + std::to_string(numel) + " elements");
+}
+
+bool code_type(at::ScalarType s, FixedType* t) {
+  if (s == at::kShort) *t = FixedType::kInt16;
+  else if (s == at::kInt) *t = FixedType::kInt32;
+  else return false;
+  return true;
+}
+
+int code_bits(FixedType t) { return t == FixedType::kInt16 ? 16 : 32; }
+
+// Convert(x, <il, fl>) into a new tensor of dtype out_dtype: int16/int32 codes, or float32/float64 values.
+at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, uint64_t seed,
+                                uint64_t offset, at::ScalarType out_dtype) {
+  check_dense(x, "x");
+  check_backend(x.device(), "x");
+  FixedType src_type;
+  switch (x.scalar_type()) {
+    case at::kFloat: src_type = FixedType::kFloat32; break;
+    case at::kDouble: src_type = FixedType::kFloat64; break;
+    case at::kHalf: src_type = FixedType::kFloat16; break;
+    case at::kBFloat16: src_type = FixedType::kBFloat16; break;
+    default: fail("x must be a float32, float64, float16 or bfloat16 tensor, got a " + describe(x));
+  }
+  const mpf::FixedFormat fmt = fixed_format(il, fl, "the format");
+  const int wl = mpf::fixed_wl(fmt);
+  FixedType dst_type;
+  if (code_type(out_dtype, &dst_type)) {
+    if (wl > code_bits(dst_type))
+      fail("out_dtype " + std::string(c10::toString(out_dtype)) + " cannot hold codes of " + std::to_string(wl) +
+           " bits; use torch.int32");
+  } else if (out_dtype == at::kFloat) {
+    if (wl > 24) fail("float32 values of a format with il + fl = " + std::to_string(wl) + " > 24 are not exact; use torch.float64");
+    dst_type = FixedType::kFloat32;
+  } else if (out_dtype == at::kDouble) {
+    dst_type = FixedType::kFloat64;
+  } else {
+    fail(std::string("out_dtype must be torch.int16, torch.int32, torch.float32 or torch.float64, got ") +
+         c10::toString(out_dtype));
+  }
+  check_offset(offset, x.numel());
+
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(out_dtype));
+  const mpf::FixedQuantizeArgs a{src.data_ptr(), src_type, out.data_ptr(), dst_type, src.numel(), fmt,
+                                 rounding_of(stochastic), seed, offset};
+  if (x.device().is_cpu()) {
+    mpf::fixed_quantize_cpu(a, at::get_num_threads());
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    mpf::fixed_quantize_cuda(a, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+#endif
+  }
+  return out;
+}
+
+void check_codes(const at::Tensor& t, const std::string& name, FixedType* type) {
+  check_dense(t, name);
+  if (!code_type(t.scalar_type(), type))
+    fail(name + " must be an int16 or int32 tensor of fixed-point codes, got a " + describe(t));
+  if (t.dim() != 2) fail(name + " must be 2-D, got a " + describe(t));
+}
+
+// The codes of fmt_out of a @ b: exact int64 sums rounded once. Formats as (il, fl) pairs.
+at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t il_a, int64_t fl_a, int64_t il_b,
+                              int64_t fl_b, int64_t il_out, int64_t fl_out, bool stochastic, uint64_t seed,
+                              uint64_t offset, at::ScalarType out_dtype) {
+  FixedType a_type, b_type, out_type;
+  check_codes(a, "a_codes", &a_type);
+  check_codes(b, "b_codes", &b_type);
+  const at::Device device = a.device();
+  check_backend(device, "a_codes");
+  if (b.device() != device)
+    fail("b_codes is on " + b.device().str() + " but a_codes is on " + device.str() + "; both must be on one device");
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  if (b.size(0) != k)
+    fail("b_codes must have " + std::to_string(k) + " rows, the inner dim of a_codes " + describe(a) + ", got a " +
+         describe(b));
+  const mpf::FixedFormat fa = fixed_format(il_a, fl_a, "fmt_a");
+  const mpf::FixedFormat fb = fixed_format(il_b, fl_b, "fmt_b");
+  const mpf::FixedFormat fo = fixed_format(il_out, fl_out, "fmt_out");
+  if (mpf::fixed_wl(fa) > code_bits(a_type)) fail("a_codes' dtype cannot hold codes of fmt_a; got a " + describe(a));
+  if (mpf::fixed_wl(fb) > code_bits(b_type)) fail("b_codes' dtype cannot hold codes of fmt_b; got a " + describe(b));
+  if (!code_type(out_dtype, &out_type) || mpf::fixed_wl(fo) > code_bits(out_type))
+    fail(std::string("out_dtype must be torch.int16 or torch.int32 and hold codes of fmt_out, got ") +
+         c10::toString(out_dtype));
+  if (!mpf::fixed_macc_fits(mpf::fixed_wl(fa), mpf::fixed_wl(fb), k))
+    fail("the MACC's int64 sum could overflow: WL_a + WL_b + ceil(log2 K) must be at most 64 (the sum of K products "
+         "of at most 2^(WL_a + WL_b - 2) stays within 2^62), got WL_a=" + std::to_string(mpf::fixed_wl(fa)) +
+         ", WL_b=" + std::to_string(mpf::fixed_wl(fb)) + ", K=" + std::to_string(k));
+  if (m > int64_t{65535} * 64) fail("a_codes may have at most 4194240 rows (the CUDA grid's), got " + describe(a));
+  check_offset(offset, m * n);
+
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  const mpf::FixedShift shift{fa.fl + fb.fl - fo.fl, mpf::fixed_code_min(fo), mpf::fixed_code_max(fo)};
+  const mpf::FixedMatmulArgs g{ac.data_ptr(), a_type, bc.data_ptr(), b_type, out.data_ptr(), out_type, m, n, k,
+                               shift, rounding_of(stochastic), seed, offset};
+  if (device.is_cpu()) {
+    mpf::fixed_matmul_cpu(g, at::get_num_threads());
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(device);
+    mpf::fixed_matmul_cuda(g, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_fixed_point(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("fixed_point_quantize", &fixed_point_quantize, py::arg("x"), py::arg("il"), py::arg("fl"),
+        py::arg("stochastic"), py::arg("seed"), py::arg("offset"), py::arg("out_dtype"),
+        "Convert(x, <il, fl>) (Gupta et al. 2015): saturate, round; codes or values on the grid.");
+  m.def("fixed_point_matmul", &fixed_point_matmul, py::arg("a"), py::arg("b"), py::arg("il_a"), py::arg("fl_a"),
+        py::arg("il_b"), py::arg("fl_b"), py::arg("il_out"), py::arg("fl_out"), py::arg("stochastic"),
+        py::arg("seed"), py::arg("offset"), py::arg("out_dtype"),
+        "Fixed-point MACC: exact int64 sums of code products, rounded once into fmt_out's codes.");
+}
+
+}  // namespace mpf_torch

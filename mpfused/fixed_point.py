@@ -1,0 +1,365 @@
+"""Fixed-point arithmetic <IL, FL> after Gupta et al., "Deep Learning with Limited Numerical Precision"
+(ICML 2015).
+
+A number of ``<IL, FL>`` is a signed integer code ``c`` of ``WL = IL + FL`` bits standing for ``c * 2^-FL``:
+the grid step is ``eps = 2^-FL`` and the range ``[-2^(IL-1), 2^(IL-1) - eps]``. ``IL`` counts the sign bit.
+
+- :func:`quantize` is the paper's Convert(x, <IL,FL>): saturate to the range, then round to the grid, and
+  return the values (float32 when ``WL <= 24``, where every value of the format is exact in float32;
+  float64 for ``25 <= WL <= 32``). :func:`encode` returns the codes instead (int16 when ``WL <= 16``,
+  int32 up to 32) and :func:`decode` turns codes back into values (same dtype rule as quantize).
+- Rounding ``"nearest"`` follows the paper's definition: ``floor(x)`` if ``x <= floor(x) + eps/2``, else
+  ``floor(x) + eps``, with ``floor`` towards -inf on the grid. Ties therefore go DOWN (towards -inf) for
+  both signs: 0.5 eps -> 0, -0.5 eps -> -eps. (Not round-half-even.)
+- Rounding ``"stochastic"``: ``floor(x) + eps`` with probability ``(x - floor(x)) / eps``, else ``floor(x)``,
+  on the signed value: unbiased, ``E[Convert(x)] = x`` inside the range. The decision compares the
+  element's 16 random bits with the exact fraction (frac in units of eps): the probability is exact when
+  ``frac * 2^16`` is an integer and at most 2^-16 above ``frac`` otherwise. The bits are those of element
+  ``offset + i`` (row-major) in stream (0, 0) under ``seed`` (:func:`mpfused.random.philox_words`), exactly
+  as :func:`mpfused.round_stochastic`: so ``quantize(x[k:], ..., offset=k)`` equals ``quantize(x, ...)[k:]``,
+  and CPU and CUDA give the same bits for every thread count and CPU path.
+- ``inf`` saturates to the range's ends like any large value. NaN becomes 0: a fixed-point word has no
+  NaN, 0 contributes nothing to a MACC's sum, and checking for NaN here would cost a host-device sync;
+  check beforehand (e.g. :func:`mpfused.non_finite_check_`) where a NaN must be caught.
+- Inputs: float32, float64, float16 or bfloat16 tensors on the CPU or a CUDA device. The rounding is done
+  on the exact value (``x * 2^FL`` in double).
+
+:func:`matmul` is the paper's MACC on codes: exact products summed in int64, rounded ONCE into the output
+format, saturated. :class:`FixedPointLinear` and :class:`FixedPointSGD` train a model whose weights,
+activations and gradients are held in fixed point (see ``examples/fixed_point_gupta.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from . import _ops
+
+__all__ = ["FixedPointFormat", "quantize", "encode", "decode", "matmul", "FixedPointLinear", "FixedPointSGD"]
+
+_ROUNDINGS = ("nearest", "stochastic")
+_MAX_WL = 32
+
+
+def _int_arg(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FixedPointFormat:
+    """``<il, fl>``: ``il`` integer bits (sign included, >= 1), ``fl`` fractional bits (>= 0),
+    ``wl = il + fl <= 32``."""
+
+    il: int
+    fl: int
+
+    def __post_init__(self):
+        _int_arg(self.il, "il")
+        _int_arg(self.fl, "fl")
+        if self.il < 1:
+            raise ValueError(f"il must be >= 1 (it counts the sign bit), got {self.il}")
+        if self.fl < 0:
+            raise ValueError(f"fl must be >= 0, got {self.fl}")
+        if self.il + self.fl > _MAX_WL:
+            raise ValueError(f"il + fl (the word length) must be at most {_MAX_WL}, got il={self.il}, fl={self.fl}")
+
+    @property
+    def wl(self) -> int:
+        return self.il + self.fl
+
+    @property
+    def eps(self) -> float:
+        """The grid step 2^-fl."""
+        return 2.0 ** -self.fl
+
+    @property
+    def min(self) -> float:
+        return -(2.0 ** (self.il - 1))
+
+    @property
+    def max(self) -> float:
+        return 2.0 ** (self.il - 1) - self.eps
+
+    @property
+    def code_min(self) -> int:
+        return -(1 << (self.wl - 1))
+
+    @property
+    def code_max(self) -> int:
+        return (1 << (self.wl - 1)) - 1
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """int16 when wl <= 16, else int32."""
+        return torch.int16 if self.wl <= 16 else torch.int32
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """float32 when wl <= 24 (every value of the format is exact in float32), else float64."""
+        return torch.float32 if self.wl <= 24 else torch.float64
+
+    def __str__(self) -> str:
+        return f"<{self.il},{self.fl}>"
+
+
+FormatLike = Union[FixedPointFormat, tuple]
+
+
+def _as_format(fmt, name: str) -> FixedPointFormat:
+    if isinstance(fmt, FixedPointFormat):
+        return fmt
+    if isinstance(fmt, tuple) and len(fmt) == 2:
+        try:
+            return FixedPointFormat(*fmt)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
+    raise TypeError(f"{name} must be a FixedPointFormat or an (il, fl) tuple, got {type(fmt).__name__} {fmt!r}")
+
+
+def _format_of(il, fl) -> FixedPointFormat:
+    return FixedPointFormat(il, fl)
+
+
+def _rounding(rounding) -> bool:
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    return rounding == "stochastic"
+
+
+def _tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    return x
+
+
+def _convert(x, fmt: FixedPointFormat, rounding, seed, offset, out_dtype) -> torch.Tensor:
+    x = _tensor(x, "x")
+    stochastic = _rounding(rounding)
+    seed = _ops.check_u64(seed, "seed")
+    offset = _ops.check_u64(offset, "offset", numel=x.numel())
+    return _ops.fixed_point_quantize(x, fmt.il, fmt.fl, stochastic, seed, offset, out_dtype)
+
+
+def quantize(x: torch.Tensor, il: int, fl: int, *, rounding: str = "nearest", seed: int = 0,
+             offset: int = 0) -> torch.Tensor:
+    """Convert(x, <il, fl>): ``x`` saturated to ``[-2^(il-1), 2^(il-1) - 2^-fl]`` and rounded to the grid
+    ``2^-fl`` (see the module docstring for the rounding rules, inf and NaN). Returns a new tensor of
+    ``x``'s shape: float32 when ``il + fl <= 24``, float64 above (the values are exact either way)."""
+    fmt = _format_of(il, fl)
+    return _convert(x, fmt, rounding, seed, offset, fmt.value_dtype)
+
+
+def encode(x: torch.Tensor, il: int, fl: int, *, rounding: str = "nearest", seed: int = 0,
+           offset: int = 0) -> torch.Tensor:
+    """The codes of Convert(x, <il, fl>): integers in ``[-2^(wl-1), 2^(wl-1) - 1]``, int16 when
+    ``wl <= 16``, int32 up to 32; ``decode(encode(x, ...), il, fl) == quantize(x, ...)``."""
+    fmt = _format_of(il, fl)
+    return _convert(x, fmt, rounding, seed, offset, fmt.code_dtype)
+
+
+def decode(codes: torch.Tensor, il: int, fl: int) -> torch.Tensor:
+    """The values ``codes * 2^-fl`` of int16/int32 codes of <il, fl>: float32 when ``il + fl <= 24``,
+    float64 above (exact). The codes are taken as they are (not checked against the format's range,
+    which would need a host-device sync on CUDA)."""
+    fmt = _format_of(il, fl)
+    codes = _tensor(codes, "codes")
+    if codes.dtype not in (torch.int16, torch.int32):
+        raise ValueError(f"codes must be an int16 or int32 tensor, got {codes.dtype}")
+    return (codes.to(torch.float64) * fmt.eps).to(fmt.value_dtype)
+
+
+def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_b: FormatLike,
+           fmt_out: FormatLike, *, rounding: str = "nearest", seed: int = 0, offset: int = 0) -> torch.Tensor:
+    """The paper's MACC on codes: ``a_codes`` (M, K) of ``fmt_a`` times ``b_codes`` (K, N) of ``fmt_b``,
+    the products summed exactly in int64 (a value with ``fl_a + fl_b`` fractional bits), rounded ONCE
+    into ``fmt_out`` with the nearest (ties down) or stochastic rule of :func:`quantize`, saturated.
+    Returns the (M, N) codes of ``fmt_out`` (int16 when its wl <= 16, else int32). Stochastic rounding of
+    output (i, j) takes the word of element ``offset + i * N + j``.
+
+    The int64 sum must be exact: ``wl_a + wl_b + ceil(log2 K) <= 64`` (K products of at most
+    ``2^(wl_a + wl_b - 2)`` stay within 2^62), else ValueError. Codes must be int16/int32 tensors wide
+    enough for their formats, on one device."""
+    fa, fb, fo = _as_format(fmt_a, "fmt_a"), _as_format(fmt_b, "fmt_b"), _as_format(fmt_out, "fmt_out")
+    a_codes, b_codes = _tensor(a_codes, "a_codes"), _tensor(b_codes, "b_codes")
+    stochastic = _rounding(rounding)
+    seed = _ops.check_u64(seed, "seed")
+    numel = a_codes.shape[0] * b_codes.shape[-1] if a_codes.dim() == 2 and b_codes.dim() == 2 else 0
+    offset = _ops.check_u64(offset, "offset", numel=numel)
+    return _ops.fixed_point_matmul(a_codes, b_codes, (fa.il, fa.fl), (fb.il, fb.fl), (fo.il, fo.fl), stochastic,
+                                   seed, offset, fo.code_dtype)
+
+
+# ---- training in fixed point --------------------------------------------------------------------------
+_ROLE_BITS = 40  # each stochastic rounding of a call draws from its own 2^40 element indices
+_ROLES = 8       # per FixedPointLinear call: input, output, grad_output, grad_input, grad_weight
+_OPTIM_BIT = 1 << 63  # FixedPointSGD's indices have the top bit set: never those of a layer
+
+
+def _layer_offset(call: int, role: int) -> int:
+    # Indices of role `role` of call `call`: (call * 8 + role) * 2^40, the call count wrapping after 2^20.
+    return (((call * _ROLES + role) << _ROLE_BITS) % _OPTIM_BIT)
+
+
+class _FixedPointLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        fmt, gfmt = layer.fmt, layer.grad_fmt
+        rounding, seed, call = layer.rounding, layer.seed, layer.calls
+        x2 = x.reshape(-1, x.shape[-1])
+        xc = encode(x2, fmt.il, fmt.fl, rounding=rounding, seed=seed, offset=_layer_offset(call, 0))
+        wc = encode(weight.detach(), fmt.il, fmt.fl)  # on the grid already (FixedPointSGD keeps it there)
+        if bias is not None:  # the bias as one more product: a column of 1.0 in x times a column of b
+            one = torch.full((xc.shape[0], 1), 1 << fmt.fl, dtype=xc.dtype, device=xc.device)
+            xc = torch.cat([xc, one], 1)
+            wc = torch.cat([wc, encode(bias.detach(), fmt.il, fmt.fl)[:, None]], 1)
+        yc = matmul(xc, wc.t(), fmt, fmt, fmt, rounding=rounding, seed=seed, offset=_layer_offset(call, 1))
+        # Where a saturation clamped (the input outside fmt's range, an output at its ends), the gradient
+        # is the clamp's: zero.
+        x_clamped = (x2 < fmt.min) | (x2 > fmt.max)
+        y_clamped = (yc == fmt.code_min) | (yc == fmt.code_max)
+        ctx.save_for_backward(xc, wc, x_clamped, y_clamped)
+        ctx.meta = (fmt, gfmt, rounding, seed, call, bias is not None, x.shape)
+        return decode(yc, fmt.il, fmt.fl).to(x.dtype).reshape(*x.shape[:-1], yc.shape[-1])
+
+    @staticmethod
+    def backward(ctx, gy):
+        xc, wc, x_clamped, y_clamped = ctx.saved_tensors
+        fmt, gfmt, rounding, seed, call, has_bias, x_shape = ctx.meta
+        g2 = gy.reshape(-1, gy.shape[-1]).float().masked_fill(y_clamped, 0.0)
+        gc = encode(g2, gfmt.il, gfmt.fl, rounding=rounding, seed=seed, offset=_layer_offset(call, 2))
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w_only = wc[:, :-1] if has_bias else wc
+            gx = matmul(gc, w_only, gfmt, fmt, gfmt, rounding=rounding, seed=seed, offset=_layer_offset(call, 3))
+            grad_x = decode(gx, gfmt.il, gfmt.fl).masked_fill_(x_clamped, 0.0).reshape(x_shape)
+        if ctx.needs_input_grad[1] or (has_bias and ctx.needs_input_grad[2]):
+            gw = decode(matmul(gc.t(), xc, gfmt, fmt, gfmt, rounding=rounding, seed=seed,
+                               offset=_layer_offset(call, 4)), gfmt.il, gfmt.fl)
+            if has_bias:
+                grad_w, grad_b = gw[:, :-1].contiguous(), gw[:, -1].contiguous()
+            else:
+                grad_w = gw
+        return grad_x, grad_w, grad_b, None
+
+
+class FixedPointLinear(nn.Module):
+    """A linear layer computed in fixed point, as in Gupta et al.: ``y = Convert(x) @ W^T + b`` where the
+    input activation is converted to ``fmt``, ``W`` and ``b`` are held on ``fmt``'s grid, the products are
+    summed exactly and the sum is rounded once to ``fmt`` (:func:`matmul`). Backward: the output gradient
+    is converted to ``grad_fmt`` (default ``fmt``), and the input, weight and bias gradients are MACCs of
+    codes rounded once to ``grad_fmt``. The rounding passes gradients straight through; a saturation
+    passes the clamp's gradient: zero for the outputs that reached the range's ends (code_min, code_max)
+    and for the inputs outside the range. So weights, activations and gradients are all fixed-point values
+    (held in float32 tensors; the values are exact).
+
+    ``rounding`` ("stochastic" or "nearest") applies to every conversion above. Stochastic rounding of
+    call ``t`` (the layer's forward count) takes, for each of its roundings, its own 2^40 element indices
+    under ``seed`` (``(8 t + role) * 2^40 + i``; the count wraps after 2^20 calls), so give each layer its
+    own seed. The count is saved in the state dict (``get_extra_state``): a resumed run draws the same bits.
+    With ``bias``, ``fmt`` must hold 1.0 (il >= 2): the bias is added as one more product, 1.0 * b.
+    Weights start as torch's Linear initialisation rounded to the nearest grid value."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: FormatLike, *, grad_fmt: Optional[FormatLike] = None,
+                 bias: bool = True, rounding: str = "stochastic", seed: int = 0, device=None):
+        super().__init__()
+        self.fmt = _as_format(fmt, "fmt")
+        self.grad_fmt = self.fmt if grad_fmt is None else _as_format(grad_fmt, "grad_fmt")
+        _rounding(rounding)
+        self.rounding = rounding
+        self.seed = _ops.check_u64(seed, "seed")
+        for f, name in ((self.fmt, "fmt"), (self.grad_fmt, "grad_fmt")):
+            if f.wl > 24:
+                raise ValueError(f"{name} {f} has il + fl > 24: its values are not exact in the float32 tensors "
+                                 "that hold them")
+        if bias and self.fmt.il < 2:
+            raise ValueError(f"fmt {self.fmt} cannot hold 1.0, which the bias product needs: use il >= 2 or bias=False")
+        self.calls = 0
+        ref = nn.Linear(in_features, out_features, bias=bias, device=device)
+        self.weight = nn.Parameter(quantize(ref.weight.detach(), self.fmt.il, self.fmt.fl).float())
+        self.bias = nn.Parameter(quantize(ref.bias.detach(), self.fmt.il, self.fmt.fl).float()) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _FixedPointLinearFn.apply(x, self.weight, self.bias, self)
+        self.calls += 1
+        return y
+
+    def get_extra_state(self):
+        return {"calls": self.calls, "seed": self.seed}
+
+    def set_extra_state(self, state):
+        self.calls, self.seed = int(state["calls"]), int(state["seed"])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"grad_fmt={self.grad_fmt}, bias={self.bias is not None}, rounding={self.rounding!r}, seed={self.seed}")
+
+
+class FixedPointSGD(torch.optim.Optimizer):
+    """SGD whose weights stay on a fixed-point grid: ``w <- Convert(w - lr * d, fmt)`` with ``d`` the
+    gradient (or, with ``momentum``, the buffer ``m <- momentum * m + g``, held in float32). The update
+    is computed in float64 (exact for weights of up to 32 bits and far below any grid step), then
+    converted with ``rounding``: "nearest" loses every update smaller than half a grid step, "stochastic"
+    keeps it in expectation (the paper's point).
+
+    Stochastic rounding of a param's element ``i`` at its step ``s`` takes the word of index
+    ``2^63 + (s mod 2^23) * 2^40 + p + i`` under ``seed``, ``p`` the number of elements of the params
+    before it (in param-group order): a function of (seed, step, element), so a run resumed from
+    ``state_dict()`` (steps per param, momentum buffers, the groups' seeds) is bit-identical. The top
+    index bit keeps these words apart from :class:`FixedPointLinear`'s."""
+
+    def __init__(self, params: Iterable, lr: float, fmt: FormatLike, rounding: str = "stochastic", seed: int = 0,
+                 momentum: float = 0.0):
+        fmt = _as_format(fmt, "fmt")
+        if fmt.wl > 24:
+            raise ValueError(f"fmt {fmt} has il + fl > 24: its values are not exact in float32 params")
+        _rounding(rounding)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        seed = _ops.check_u64(seed, "seed")
+        super().__init__(params, dict(lr=float(lr), fmt=(fmt.il, fmt.fl), rounding=rounding, seed=seed,
+                                      momentum=float(momentum)))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = 0  # index of the param's element 0 among all params
+        for group in self.param_groups:
+            fmt = FixedPointFormat(*group["fmt"])
+            for p in group["params"]:
+                numel = p.numel()
+                if first + numel > 1 << _ROLE_BITS:
+                    raise ValueError(f"FixedPointSGD's params may hold at most 2^{_ROLE_BITS} elements in all")
+                if p.grad is not None:
+                    state = self.state[p]
+                    step = state.get("step", 0)
+                    d = p.grad
+                    if group["momentum"]:
+                        buf = state.get("momentum_buffer")
+                        if buf is None:
+                            buf = state["momentum_buffer"] = d.detach().float().clone()
+                        else:
+                            buf.mul_(group["momentum"]).add_(d)
+                        d = buf
+                    v = p.double() - group["lr"] * d.double()
+                    offset = _OPTIM_BIT + ((step % (1 << 23)) << _ROLE_BITS) + first
+                    p.copy_(_convert(v, fmt, group["rounding"], group["seed"], offset, torch.float64))
+                    state["step"] = step + 1
+                first += numel
+        return loss

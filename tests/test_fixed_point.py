@@ -1,0 +1,470 @@
+"""mpfused.fixed_point: Convert(x, <IL,FL>) (quantize/encode/decode), the MACC (matmul) and training in
+fixed point (FixedPointLinear, FixedPointSGD), against exact references: float64 numpy for Convert (every
+step of it is exact in double) and Python integers for the MACC; the random words come from
+mpfused.random.philox_words, so the stochastic results are checked bit for bit too."""
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpfused
+from mpfused import fixed_point as fxp
+from mpfused.random import philox_words
+
+from tolerances import SR_SIGMAS
+
+FORMATS = [(1, 0), (1, 7), (2, 14), (4, 12), (8, 8), (1, 15), (6, 10), (12, 12), (16, 16), (1, 31), (32, 0)]
+
+
+def words(n, seed, offset, device="cpu"):
+    return philox_words(n, seed, offset).numpy().astype(np.float64)
+
+
+def ref_codes(x, il, fl, rounding="nearest", seed=0, offset=0):
+    """Convert in float64 numpy (exact: x * 2^fl, the clamp to integer bounds, floor and frac are exact)."""
+    x = np.asarray(x, dtype=np.float64)
+    lo, hi = -(2.0 ** (il + fl - 1)), 2.0 ** (il + fl - 1) - 1
+    v = np.nan_to_num(x * 2.0 ** fl, nan=0.0, posinf=hi, neginf=lo)
+    v = np.clip(v, lo, hi)
+    n = np.floor(v)
+    frac = v - n
+    if rounding == "nearest":
+        up = frac > 0.5
+    else:
+        up = words(x.size, seed, offset).reshape(x.shape) < frac * 2.0 ** 32
+    return (n + up).astype(np.int64)
+
+
+def sample_values(fmt, n, gen):
+    """Values across and beyond the format's range, on and off the grid, plus exact ties."""
+    il, fl = fmt
+    span = 2.0 ** (il - 1)
+    x = (torch.rand(n, generator=gen, dtype=torch.float64) * 2.4 - 1.2) * span
+    ties = (torch.randint(-(1 << min(il + fl - 1, 20)), 1 << min(il + fl - 1, 20), (n // 4,), generator=gen)
+            .double() + 0.5) * 2.0 ** -fl
+    x = torch.cat([x, ties, torch.tensor([0.0, -0.0, span, -span, span * 4, -span * 4])])
+    return x.float()
+
+
+# ---- Convert ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_encode_matches_the_exact_reference(fmt, rounding, device):
+    il, fl = fmt
+    gen = torch.Generator().manual_seed(il * 100 + fl)
+    x = sample_values(fmt, 4000, gen)
+    codes = fxp.encode(x.to(device), il, fl, rounding=rounding, seed=7, offset=123)
+    assert codes.dtype == (torch.int16 if il + fl <= 16 else torch.int32)
+    expected = ref_codes(x.double().numpy(), il, fl, rounding, seed=7, offset=123)
+    np.testing.assert_array_equal(codes.cpu().numpy().astype(np.int64), expected)
+    assert expected.min() >= -(2 ** (il + fl - 1)) and expected.max() <= 2 ** (il + fl - 1) - 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_quantize_is_decode_of_encode_and_on_the_grid(fmt, device):
+    il, fl = fmt
+    f = fxp.FixedPointFormat(il, fl)
+    x = sample_values(fmt, 2000, torch.Generator().manual_seed(1)).to(device)
+    for rounding in ("nearest", "stochastic"):
+        q = fxp.quantize(x, il, fl, rounding=rounding, seed=3)
+        assert q.dtype == (torch.float32 if il + fl <= 24 else torch.float64) == f.value_dtype
+        c = fxp.encode(x, il, fl, rounding=rounding, seed=3)
+        assert torch.equal(fxp.decode(c, il, fl), q)
+        scaled = q.double() * 2.0 ** fl
+        assert torch.equal(scaled, scaled.round())  # on the grid
+        assert q.min().item() >= f.min and q.max().item() <= f.max
+
+
+def test_nearest_ties_go_down_for_both_signs():
+    # <4, 2>: eps = 0.25. Ties: x = floor + eps/2 -> floor (towards -inf).
+    x = torch.tensor([0.125, 0.375, -0.125, -0.375, 1.125, 0.1251, -0.1249, 0.0, 2.0 ** -30])
+    q = fxp.quantize(x, 4, 2)
+    assert q.tolist() == [0.0, 0.25, -0.25, -0.5, 1.0, 0.25, 0.0, 0.0, 0.0]
+
+
+def test_saturation_inf_and_nan():
+    x = torch.tensor([100.0, -100.0, math.inf, -math.inf, math.nan, 7.9, -8.0, -8.1, 7.875, 7.8751])
+    for rounding in ("nearest", "stochastic"):
+        q = fxp.quantize(x, 4, 3, rounding=rounding, seed=1)  # range [-8, 8 - 1/8]
+        assert q.tolist()[:5] == [7.875, -8.0, 7.875, -8.0, 0.0]
+        assert q.tolist()[6:] == [-8.0, -8.0, 7.875, 7.875]
+    c = fxp.encode(x, 4, 3)
+    assert c.tolist()[:5] == [63, -64, 63, -64, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_input_dtypes_give_the_float32_result(dtype, device):
+    x = sample_values((6, 10), 3000, torch.Generator().manual_seed(5)).to(dtype)
+    for rounding in ("nearest", "stochastic"):
+        ours = fxp.encode(x.to(device), 6, 10, rounding=rounding, seed=9)
+        ref = ref_codes(x.double().numpy(), 6, 10, rounding, seed=9)
+        np.testing.assert_array_equal(ours.cpu().numpy().astype(np.int64), ref)
+
+
+def test_float64_input_keeps_its_low_bits():
+    # 1 + 2^-30 is 1.0 in float32; in float64 its fraction (2^-10 of a step of <12, 20>) decides the rounding.
+    n = 1 << 16
+    x = torch.full((n,), 1.0 + 2.0 ** -30, dtype=torch.float64)
+    ups = (fxp.encode(x, 12, 20, rounding="stochastic", seed=2) == (1 << 20) + 1).sum().item()
+    expected = (words(n, 2, 0) < 2.0 ** -10 * 2.0 ** 32).sum()
+    assert ups == expected and 20 < ups < 150
+    assert (fxp.encode(x.float(), 12, 20, rounding="stochastic", seed=2) == 1 << 20).all()
+
+
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.9, 1 / 3, 2.0 ** -10])
+def test_stochastic_rounding_is_unbiased(p, device):
+    # x = a + p * eps: the count of round-ups is Binomial(n, p'), p' = ceil(p * 2^16) / 2^16 (within 2^-16).
+    n = 1 << 18
+    fmt = (4, 6)
+    eps = 2.0 ** -6
+    for a in (1.5, -2.25):
+        x = torch.full((n,), a + p * eps, dtype=torch.float64).float()
+        frac = (x[0].double().item() - a) / eps  # the float32 value's own fraction
+        q = fxp.quantize(x.to(device), *fmt, rounding="stochastic", seed=11).cpu().double()
+        assert set(torch.unique(q).tolist()) <= {a, a + eps}
+        ups = (q == a + eps).sum().item()
+        sigma = math.sqrt(n * frac * (1 - frac))
+        assert abs(ups - n * frac) <= SR_SIGMAS * sigma, (a, p, ups, n * frac, sigma)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_offset_slicing(rounding, device):
+    x = torch.randn(5003, generator=torch.Generator().manual_seed(2)).to(device) * 3
+    full = fxp.quantize(x, 3, 12, rounding=rounding, seed=5, offset=17)
+    for k in (1, 2, 3, 4, 1000, 1027, 5000):
+        part = fxp.quantize(x[k:], 3, 12, rounding=rounding, seed=5, offset=17 + k)
+        assert torch.equal(part, full[k:])
+    # A non-contiguous input is read in row-major order.
+    m = x[:5000].reshape(50, 100)
+    assert torch.equal(fxp.quantize(m.t(), 3, 12, rounding=rounding, seed=5),
+                       fxp.quantize(m.t().contiguous(), 3, 12, rounding=rounding, seed=5))
+
+
+def test_same_bits_for_every_thread_count():
+    x = torch.randn(600_000, generator=torch.Generator().manual_seed(4)) * 4
+    a = torch.randint(-(1 << 12), 1 << 12, (64, 300), generator=torch.Generator().manual_seed(5), dtype=torch.int16)
+    b = torch.randint(-(1 << 12), 1 << 12, (300, 700), generator=torch.Generator().manual_seed(6), dtype=torch.int16)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((fxp.quantize(x, 4, 12, rounding="stochastic", seed=1),
+                            fxp.encode(x, 4, 12), fxp.matmul(a, b, (4, 12), (4, 12), (8, 8), rounding="stochastic",
+                                                             seed=3)))
+    finally:
+        torch.set_num_threads(before)
+    for r in results[1:]:
+        for ours, first in zip(r, results[0]):
+            assert torch.equal(ours, first)
+
+
+# ---- the MACC -----------------------------------------------------------------------------------------
+def ref_matmul(a, b, fa, fb, fo, rounding="nearest", seed=0, offset=0):
+    """Python integers: the exact sum, rounded once (floor + the nearest/stochastic rule), saturated."""
+    (m, k), n = a.shape, b.shape[1]
+    a, b = a.tolist(), b.tolist()
+    s = fa[1] + fb[1] - fo[1]
+    lo, hi = -(1 << (sum(fo) - 1)), (1 << (sum(fo) - 1)) - 1
+    w = philox_words(m * n, seed, offset).tolist() if rounding == "stochastic" else None
+    out = []
+    for i in range(m):
+        row = []
+        for j in range(n):
+            acc = sum(a[i][p] * b[p][j] for p in range(k))
+            if s <= 0:
+                v = acc << -s
+            else:
+                fl, rem = acc >> s, acc & ((1 << s) - 1)
+                frac = Fraction(rem, 1 << s)
+                up = frac > Fraction(1, 2) if w is None else w[i * n + j] < frac * (1 << 32)
+                v = fl + up
+            row.append(min(max(v, lo), hi))
+        out.append(row)
+    return out
+
+
+def random_codes(shape, fmt, gen, dtype):
+    wl = sum(fmt)
+    return torch.randint(-(1 << (wl - 1)), 1 << (wl - 1), shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+fmt_st = st.tuples(st.integers(1, 12), st.integers(0, 14)).filter(lambda f: sum(f) <= 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(0, 9), k=st.integers(0, 40), n=st.integers(0, 9), fa=fmt_st, fb=fmt_st,
+       fo=st.tuples(st.integers(1, 16), st.integers(0, 30)).filter(lambda f: sum(f) <= 32),
+       rounding=st.sampled_from(["nearest", "stochastic"]), seed=st.integers(0, 2**64 - 1),
+       offset=st.integers(0, 2**40), data_seed=st.integers(0, 1000), wide=st.booleans())
+def test_matmul_matches_python_integers(m, k, n, fa, fb, fo, rounding, seed, offset, data_seed, wide):
+    gen = torch.Generator().manual_seed(data_seed)
+    a = random_codes((m, k), fa, gen, torch.int32 if wide else torch.int16)
+    b = random_codes((k, n), fb, gen, torch.int16)
+    out = fxp.matmul(a, b, fa, fb, fo, rounding=rounding, seed=seed, offset=offset)
+    assert out.shape == (m, n) and out.dtype == (torch.int16 if sum(fo) <= 16 else torch.int32)
+    assert out.tolist() == ref_matmul(a, b, fa, fb, fo, rounding, seed, offset)
+
+
+@pytest.mark.parametrize("fo", [(2, 0), (8, 24), (16, 16), (1, 31), (20, 2)])
+def test_matmul_wide_formats_and_large_shifts(fo, device):
+    # 32- and 31-bit codes, K = 2 (32 + 31 + 1 = 64: the widest MACC allowed): sums up to 2^62, shifts up
+    # to 61 (fl 31 + 30 - 0).
+    gen = torch.Generator().manual_seed(8)
+    fa, fb = (1, 31), (1, 30)
+    a = random_codes((5, 2), fa, gen, torch.int32)
+    b = random_codes((2, 4), fb, gen, torch.int32)
+    a[0, :] = -(1 << 31)
+    b[:, 0] = -(1 << 30)  # the largest products, 2^61 each: the sum 2^62
+    for rounding in ("nearest", "stochastic"):
+        out = fxp.matmul(a.to(device), b.to(device), fa, fb, fo, rounding=rounding, seed=4)
+        assert out.cpu().tolist() == ref_matmul(a, b, fa, fb, fo, rounding, 4)
+
+
+def test_matmul_stochastic_offsets_follow_the_output_index():
+    gen = torch.Generator().manual_seed(9)
+    a = random_codes((6, 20), (4, 12), gen, torch.int16)
+    b = random_codes((20, 7), (4, 12), gen, torch.int16)
+    full = fxp.matmul(a, b, (4, 12), (4, 12), (8, 8), rounding="stochastic", seed=2, offset=5)
+    rows = fxp.matmul(a[2:], b, (4, 12), (4, 12), (8, 8), rounding="stochastic", seed=2, offset=5 + 2 * 7)
+    assert torch.equal(rows, full[2:])
+
+
+def test_matmul_larger_than_a_column_block():
+    gen = torch.Generator().manual_seed(10)
+    a = random_codes((3, 70), (4, 12), gen, torch.int16)
+    b = random_codes((70, 1100), (4, 12), gen, torch.int16)
+    out = fxp.matmul(a, b, (4, 12), (4, 12), (10, 6), rounding="stochastic", seed=1)
+    assert out.tolist() == ref_matmul(a, b, (4, 12), (4, 12), (10, 6), "stochastic", 1)
+
+
+def test_matmul_overflow_width_is_a_value_error():
+    a = torch.zeros((2, 3), dtype=torch.int32)
+    b = torch.zeros((3, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match="WL_a \\+ WL_b \\+ ceil\\(log2 K\\)"):
+        fxp.matmul(a, b, (1, 31), (1, 31), (8, 8))  # 32 + 32 + 2 > 64
+    assert fxp.matmul(a[:, :1], b[:1], (1, 31), (1, 31), (8, 8)).tolist() == [[0, 0], [0, 0]]  # K = 1: 64 fits
+
+
+def test_matmul_overflow_bound_is_exact():
+    a = torch.zeros((1, 2), dtype=torch.int32)
+    b = torch.zeros((2, 1), dtype=torch.int32)
+    fxp.matmul(a, b, (1, 31), (1, 30), (4, 4))  # 32 + 31 + 1 = 64
+    with pytest.raises(ValueError, match="K=2"):
+        fxp.matmul(a, b, (1, 31), (1, 31), (4, 4))  # 32 + 32 + 1 = 65
+
+
+# ---- bad input: a clear error naming the argument, nothing modified ----------------------------------
+@pytest.mark.parametrize("call, exc, name", [
+    (lambda x: fxp.quantize(x, 0, 4), ValueError, "il"),
+    (lambda x: fxp.quantize(x, 4, -1), ValueError, "fl"),
+    (lambda x: fxp.quantize(x, 20, 13), ValueError, "il \\+ fl"),
+    (lambda x: fxp.quantize(x, True, 4), TypeError, "il"),
+    (lambda x: fxp.quantize(x, 4, 2.0), TypeError, "fl"),
+    (lambda x: fxp.quantize(x, 4, 4, rounding="up"), ValueError, "rounding"),
+    (lambda x: fxp.quantize(x, 4, 4, rounding="stochastic", seed=-1), ValueError, "seed"),
+    (lambda x: fxp.quantize(x, 4, 4, seed=2**64), ValueError, "seed"),
+    (lambda x: fxp.quantize(x, 4, 4, offset=2**64 - 3), ValueError, "offset"),
+    (lambda x: fxp.quantize(x.tolist(), 4, 4), TypeError, "x"),
+    (lambda x: fxp.quantize(x.long(), 4, 4), ValueError, "x must be a float32"),
+    (lambda x: fxp.encode(torch.complex(x, x), 4, 4), ValueError, "x must be"),
+    (lambda x: fxp.decode(x, 4, 4), ValueError, "codes"),
+    (lambda x: fxp.decode(x.short(), 4, 40), ValueError, "il \\+ fl"),
+])
+def test_bad_convert_arguments(call, exc, name):
+    x = torch.linspace(-3, 3, 10)
+    before = x.clone()
+    with pytest.raises(exc, match=name):
+        call(x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("make, exc, name", [
+    (lambda a, b: fxp.matmul(a.float(), b, (4, 4), (4, 4), (4, 4)), ValueError, "a_codes"),
+    (lambda a, b: fxp.matmul(a, b.long(), (4, 4), (4, 4), (4, 4)), ValueError, "b_codes"),
+    (lambda a, b: fxp.matmul(a, b.t(), (4, 4), (4, 4), (4, 4)), ValueError, "b_codes must have 3 rows"),
+    (lambda a, b: fxp.matmul(a[0], b, (4, 4), (4, 4), (4, 4)), ValueError, "a_codes must be 2-D"),
+    (lambda a, b: fxp.matmul(a, b, (12, 12), (4, 4), (4, 4)), ValueError, "fmt_a"),
+    (lambda a, b: fxp.matmul(a, b, (4, 4), (0, 4), (4, 4)), ValueError, "fmt_b"),
+    (lambda a, b: fxp.matmul(a, b, (4, 4), (4, 4), [4, 4]), TypeError, "fmt_out"),
+    (lambda a, b: fxp.matmul(a, b, (4, 4), (4, 4), (4, 4), rounding="x"), ValueError, "rounding"),
+    (lambda a, b: fxp.matmul(a, None, (4, 4), (4, 4), (4, 4)), TypeError, "b_codes"),
+    (lambda a, b: fxp.matmul(a, b, (4, 4), (4, 4), (4, 4), offset=2**64 - 1), ValueError, "offset"),
+])
+def test_bad_matmul_arguments(make, exc, name):
+    a = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    b = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    a0, b0 = a.clone(), b.clone()
+    with pytest.raises(exc, match=name):
+        make(a, b)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+def test_format_dataclass():
+    f = fxp.FixedPointFormat(2, 14)
+    assert (f.wl, f.eps, f.min, f.max, f.code_min, f.code_max) == (16, 2.0**-14, -2.0, 2 - 2.0**-14, -32768, 32767)
+    assert f.code_dtype == torch.int16 and fxp.FixedPointFormat(1, 16).code_dtype == torch.int32
+    assert str(f) == "<2,14>"
+    with pytest.raises(ValueError, match="il"):
+        fxp.FixedPointFormat(0, 3)
+
+
+# ---- CUDA == CPU, bit for bit -------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_matches_cpu_bit_for_bit(device):
+    if device != "cuda":
+        pytest.skip("compares the CUDA backend with the CPU")
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(100_003, generator=gen) * 5
+    for fmt in ((4, 12), (8, 16), (1, 31)):
+        for rounding in ("nearest", "stochastic"):
+            for off in (0, 3):
+                assert torch.equal(fxp.encode(x.cuda(), *fmt, rounding=rounding, seed=6, offset=off).cpu(),
+                                   fxp.encode(x, *fmt, rounding=rounding, seed=6, offset=off))
+                assert torch.equal(fxp.quantize(x[1:].cuda(), *fmt, rounding=rounding, seed=6, offset=off).cpu(),
+                                   fxp.quantize(x[1:], *fmt, rounding=rounding, seed=6, offset=off))
+    for (m, k, n) in ((1, 1, 1), (65, 17, 130), (200, 300, 90)):
+        a = random_codes((m, k), (4, 12), gen, torch.int16)
+        b = random_codes((k, n), (16, 16), gen, torch.int32)
+        for rounding in ("nearest", "stochastic"):
+            cpu = fxp.matmul(a, b, (4, 12), (16, 16), (10, 14), rounding=rounding, seed=1, offset=9)
+            gpu = fxp.matmul(a.cuda(), b.cuda(), (4, 12), (16, 16), (10, 14), rounding=rounding, seed=1, offset=9)
+            assert torch.equal(gpu.cpu(), cpu)
+
+
+# ---- every CPU path gives the same bits ---------------------------------------------------------------
+PKG_ROOT = Path(mpfused.__file__).resolve().parents[1]
+SUPPORTED = mpfused.build_info()["cpu_isa_supported"].split(", ")
+DIGEST = """
+import hashlib, torch
+from mpfused import fixed_point as fxp
+g = torch.Generator().manual_seed(0)
+x = torch.randn(70_001, generator=g) * 6
+a = torch.randint(-2**15, 2**15, (33, 80), generator=g, dtype=torch.int32).short()
+b = torch.randint(-2**15, 2**15, (80, 530), generator=g, dtype=torch.int32).short()
+h = hashlib.sha256()
+for r in ("nearest", "stochastic"):
+    for t in (x, x.half(), x.bfloat16(), x.double()):
+        h.update(fxp.encode(t, 5, 11, rounding=r, seed=3, offset=1).numpy().tobytes())
+        h.update(fxp.quantize(t, 9, 20, rounding=r, seed=3).numpy().tobytes())
+    h.update(fxp.matmul(a, b, (4, 12), (4, 12), (12, 12), rounding=r, seed=5).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_every_cpu_path_gives_the_same_bits():
+    digests = {}
+    for isa in ("scalar", "avx2", "avx512"):
+        if isa not in SUPPORTED:
+            continue
+        env = dict(os.environ, MPFUSED_CPU_ISA=isa, PYTHONPATH=str(PKG_ROOT))
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(DIGEST)], env=env, cwd=PKG_ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        digests[isa] = r.stdout.strip()
+    assert len(digests) >= 1 and len(set(digests.values())) == 1, digests
+
+
+# ---- training in fixed point --------------------------------------------------------------------------
+def test_linear_forward_and_backward_are_the_exact_fixed_point_math():
+    torch.manual_seed(0)
+    fmt, gfmt = fxp.FixedPointFormat(4, 12), fxp.FixedPointFormat(2, 14)
+    layer = fxp.FixedPointLinear(20, 7, fmt, grad_fmt=gfmt, rounding="nearest", seed=1)
+    x = torch.randn(5, 20, requires_grad=True)
+    y = layer(x)
+    gy = torch.randn(5, 7) * 0.01
+    y.backward(gy)
+    q = lambda t, f: fxp.quantize(t, f.il, f.fl)  # noqa: E731
+    xq, w, b = q(x.detach(), fmt).double(), layer.weight.detach().double(), layer.bias.detach().double()
+    assert torch.equal(q(layer.weight.detach(), fmt), layer.weight.detach())  # weights on the grid
+    exact = xq @ w.t() + b  # dyadic values with <= 24 fractional bits: exact in float64
+    assert torch.equal(y.detach(), q(exact, fmt))
+    g = q(gy, gfmt).double()
+    assert torch.equal(x.grad, q(g @ w, gfmt))
+    assert torch.equal(layer.weight.grad, q(g.t() @ xq, gfmt))
+    assert torch.equal(layer.bias.grad, q(g.sum(0), gfmt))
+    assert layer.calls == 1
+
+
+def test_sgd_nearest_loses_small_updates_stochastic_keeps_them_on_average():
+    fmt = fxp.FixedPointFormat(2, 8)  # eps = 2^-8
+    w0 = torch.full((20_000,), 0.5)
+    grad = torch.full_like(w0, 0.3 * 2.0 ** -8)  # lr 1: the update is 0.3 of a grid step
+    for rounding, expect in (("nearest", 0.5), ("stochastic", 0.5 - 0.3 * 2.0 ** -8)):
+        p = torch.nn.Parameter(w0.clone())
+        opt = fxp.FixedPointSGD([p], lr=1.0, fmt=fmt, rounding=rounding, seed=3)
+        p.grad = grad.clone()
+        opt.step()
+        assert torch.equal(fxp.quantize(p.detach(), 2, 8), p.detach())
+        mean = p.detach().double().mean().item()
+        sigma = 2.0 ** -8 * math.sqrt(0.3 * 0.7 / w0.numel())
+        assert abs(mean - expect) <= SR_SIGMAS * sigma, (rounding, mean, expect)
+
+
+def _train(model, opt, steps, gen_seed):
+    gen = torch.Generator().manual_seed(gen_seed)
+    for _ in range(steps):
+        x = torch.randn(16, 12, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    fmt = fxp.FixedPointFormat(4, 12)
+    return torch.nn.Sequential(fxp.FixedPointLinear(12, 16, fmt, seed=10), torch.nn.ReLU(),
+                               fxp.FixedPointLinear(16, 3, fmt, seed=11))
+
+
+def test_sgd_resume_is_bit_identical():
+    fmt = (4, 12)
+    model = _model(0)
+    opt = fxp.FixedPointSGD(model.parameters(), lr=0.05, fmt=fmt, rounding="stochastic", seed=5, momentum=0.9)
+    _train(model, opt, 5, 1)
+    saved_model = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in model.state_dict().items()}
+    import copy
+    saved_opt = copy.deepcopy(opt.state_dict())
+    _train(model, opt, 5, 2)
+
+    resumed = _model(99)  # different initial weights, overwritten by the state dict
+    resumed.load_state_dict(saved_model)
+    opt2 = fxp.FixedPointSGD(resumed.parameters(), lr=0.05, fmt=fmt, rounding="stochastic", seed=0, momentum=0.9)
+    opt2.load_state_dict(saved_opt)  # the seed comes back with the param groups
+    _train(resumed, opt2, 5, 2)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert [m.calls for m in resumed if hasattr(m, "calls")] == [10, 10]
+    # and the run did move: a different seed gives different weights
+    other = _model(0)
+    opt3 = fxp.FixedPointSGD(other.parameters(), lr=0.05, fmt=fmt, rounding="stochastic", seed=6, momentum=0.9)
+    _train(other, opt3, 10, 1)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def test_training_arguments_are_checked():
+    with pytest.raises(ValueError, match="bias"):
+        fxp.FixedPointLinear(3, 2, (1, 15))
+    with pytest.raises(ValueError, match="fmt"):
+        fxp.FixedPointLinear(3, 2, (4, 24))
+    with pytest.raises(ValueError, match="rounding"):
+        fxp.FixedPointLinear(3, 2, (4, 4), rounding="round")
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="lr"):
+        fxp.FixedPointSGD([p], lr=-1.0, fmt=(2, 8))
+    with pytest.raises(ValueError, match="momentum"):
+        fxp.FixedPointSGD([p], lr=0.1, fmt=(2, 8), momentum=1.0)
+    with pytest.raises(ValueError, match="fmt"):
+        fxp.FixedPointSGD([p], lr=0.1, fmt=(2, 30))

@@ -1,0 +1,59 @@
+"""examples/fixed_point_gupta.py --quick: it runs, prints its table, writes its PNG and JSON, and every run
+trains (the test error falls from chance); the update/grid ratios it prints follow from the FP32 updates."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+_spec = importlib.util.spec_from_file_location(
+    "fixed_point_gupta", Path(__file__).resolve().parents[1] / "examples" / "fixed_point_gupta.py")
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fpg")
+    return example.main(["--quick", "--out", str(out)]), out
+
+
+def test_writes_the_table_the_png_and_the_json(run, capsys):
+    res, out = run
+    png = out / "fixed_point_gupta.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    on_disk = json.loads((out / "fixed_point_gupta.json").read_text())
+    assert [r["name"] for r in on_disk["runs"]] == [r["name"] for r in res["runs"]]
+    fls = example.CONFIGS["quick"]["fls"]
+    assert [r["name"] for r in res["runs"]] == ["FP32"] + [f"<{16 - fl},{fl}> {r}" for fl in fls
+                                                           for r in ("nearest", "stochastic")]
+    example.print_table(res)
+    printed = capsys.readouterr().out
+    assert "Final test error" in printed and all(f"<{16 - fl},{fl}>" in printed for fl in fls)
+
+
+def test_every_run_learns(run):
+    res, _ = run
+    epochs = example.CONFIGS["quick"]["epochs"]
+    for r in res["runs"]:
+        assert len(r["test_error"]) == epochs + 1 and len(r["train_loss"]) == epochs
+        assert r["test_error"][0] > 0.6  # untrained: about chance (0.9)
+        assert r["final_test_error"] < 0.5, r["name"]
+
+
+def test_update_ratios(run):
+    res, _ = run
+    med = res["update_stats"]["median"]
+    for row in res["update_ratios"]:
+        assert row["median_update_over_step"] == pytest.approx(med * 2.0 ** row["fl"])
+        assert 0 <= row["fraction_below_half_step"] <= 1
+    fracs = [row["fraction_below_half_step"] for row in res["update_ratios"]]
+    assert fracs == sorted(fracs, reverse=True)  # finer grids lose fewer updates
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        example.main(["--threads", "0", "--out", str(tmp_path)])
