@@ -468,3 +468,21 @@ def test_training_arguments_are_checked():
         fxp.FixedPointSGD([p], lr=0.1, fmt=(2, 8), momentum=1.0)
     with pytest.raises(ValueError, match="fmt"):
         fxp.FixedPointSGD([p], lr=0.1, fmt=(2, 30))
+
+
+@pytest.mark.parametrize("fmt", [(1, 0), (4, 12), (8, 8), (2, 22), (12, 12), (1, 23)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fp32_arithmetic_gives_the_fp64_codes(device, fmt, rounding):
+    # FP32 inputs of formats with WL <= 24 take the FP32 path (core/fixed_point.h fixed_code_f); the same
+    # values as float64 take the FP64 path. Both are exact, so the codes must be equal, on every kind of
+    # value: in range, saturating, ties, tiny, inf and NaN.
+    torch.manual_seed(3)
+    il, fl = fmt
+    x = torch.cat([torch.randn(50000) * 2.0 ** (il - 2), torch.randn(50000) * 2.0 ** -fl,
+                   (torch.randint(-2 ** 12, 2 ** 12, (20000,)).float() + 0.5) * 2.0 ** -fl,  # ties
+                   torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 3e38, -3e38, 1e-45])]).to(device)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        xs = x.to(dtype)
+        fast = fxp.encode(xs, il, fl, rounding=rounding, seed=5, offset=17)
+        exact = fxp.encode(xs.double(), il, fl, rounding=rounding, seed=5, offset=17)
+        assert torch.equal(fast, exact), (dtype, fmt, rounding)

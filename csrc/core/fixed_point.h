@@ -149,18 +149,58 @@ MPF_HD int32_t fixed_code(double x, const FixedQuant& q, Rounding mode, uint32_t
   return n + static_cast<int32_t>(up);  // frac > 0 means n < hi: no overflow past the range
 }
 
+// Convert in FP32 arithmetic, for FP32 values (float32, float16, bfloat16 inputs) in a format of WL <= 24:
+// every quantity fixed_code computes in double is then exact in FP32 as well (x * 2^FL is a power-of-two
+// scaling, or overflows to inf and saturates; the code range lies within 2^23; the fraction is exact),
+// and the stochastic test is the same comparison on r's 16 random bits. So it gives fixed_code's codes,
+// with vectors twice as wide on the CPU and no FP64 on the GPU.
+struct FixedQuantF {
+  float scale, inv_scale, lo, hi;
+};
+
+MPF_HD bool fixed_float_math(FixedFormat f) { return fixed_wl(f) <= 24; }
+
+MPF_HD FixedQuantF fixed_quant_f(FixedFormat f) {
+  const FixedQuant q = fixed_quant(f);
+  return FixedQuantF{static_cast<float>(q.scale), static_cast<float>(q.inv_scale), static_cast<float>(q.lo),
+                     static_cast<float>(q.hi)};
+}
+
+MPF_HD int32_t fixed_code_f(float x, const FixedQuantF& q, Rounding mode, uint32_t r) {
+  float v = x * q.scale;  // exact, or +-inf (saturated below)
+  v = v == v ? v : 0.0f;  // NaN -> 0
+  v = v < q.lo ? q.lo : v;
+  v = v > q.hi ? q.hi : v;
+  const int32_t t = static_cast<int32_t>(v);  // |v| <= 2^23
+  const int32_t n = t - (v < static_cast<float>(t));
+  const float frac = v - static_cast<float>(n);
+  const bool up = mode == Rounding::kNearest ? frac > 0.5f
+                                             : static_cast<float>(static_cast<int32_t>(r >> 16)) < frac * 65536.0f;
+  return n + static_cast<int32_t>(up);
+}
+
 // Convert(x) as a value on the grid (code * 2^-FL, exact in double).
 MPF_HD double fixed_value(double x, const FixedQuant& q, Rounding mode, uint32_t r) {
   return static_cast<double>(fixed_code(x, q, mode, r)) * q.inv_scale;
 }
 
 // A code stored as element type D: the code itself (int16/int32), or its value (float32: exact for
-// WL <= 24, the caller's rule; float64: exact).
-template <FixedType D>
-MPF_HD typename FixedElem<D>::type fixed_store(int32_t code, const FixedQuant& q) {
+// WL <= 24, the caller's rule; float64: exact). Q: FixedQuant, or FixedQuantF (then WL <= 24).
+template <FixedType D, class Q>
+MPF_HD typename FixedElem<D>::type fixed_store(int32_t code, const Q& q) {
   using T = typename FixedElem<D>::type;
   if constexpr (FixedElem<D>::is_code) return static_cast<T>(code);
-  else return static_cast<T>(static_cast<double>(code) * q.inv_scale);
+  else if constexpr (D == FixedType::kFloat32 && std::is_same_v<Q, FixedQuantF>)
+    return static_cast<float>(code) * q.inv_scale;  // exact: |code| < 2^24, a power-of-two scale
+  else return static_cast<T>(static_cast<double>(code) * static_cast<double>(q.inv_scale));
+}
+
+// The FP32 value of an input element (float32, float16, bfloat16), for fixed_code_f.
+template <FixedType S>
+MPF_HD float fixed_load_f(typename FixedElem<S>::type x) {
+  if constexpr (S == FixedType::kFloat32) return x;
+  else if constexpr (S == FixedType::kFloat16) return f16_bits_to_float(x);
+  else return bf16_bits_to_float(x);
 }
 
 // The per-call constants of the MACC's final rounding.

@@ -18,8 +18,9 @@ __host__ __device__ inline uint64_t blocks_for(uint64_t offset, int64_t numel) {
   return ((offset & 7u) + static_cast<uint64_t>(numel) + 7) / 8;
 }
 
-template <FixedType S, FixedType D>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a, FixedQuant q) {
+// kF: FP32 arithmetic (fixed_code_f; FP32 inputs, WL <= 24), the same codes as the FP64 path.
+template <FixedType S, FixedType D, bool kF>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a, FixedQuant q, FixedQuantF qf) {
   const auto* __restrict__ src = static_cast<const typename FixedElem<S>::type*>(a.src);
   auto* __restrict__ dst = static_cast<typename FixedElem<D>::type*>(a.dst);
   const uint64_t nblocks = blocks_for(a.offset, a.numel);
@@ -32,9 +33,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a,
     for (int k = 0; k < 8; ++k) {
       const int64_t i = static_cast<int64_t>(b * 8 + static_cast<uint64_t>(k)) - lead;
       if (i < 0 || i >= a.numel) continue;
-      const int32_t code = stochastic ? fixed_code(FixedElem<S>::load(src[i]), q, Rounding::kStochastic, philox_bits(p, k))
-                                      : fixed_code(FixedElem<S>::load(src[i]), q, Rounding::kNearest, 0u);
-      dst[i] = fixed_store<D>(code, q);
+      const Rounding mode = stochastic ? Rounding::kStochastic : Rounding::kNearest;
+      const uint32_t r = stochastic ? philox_bits(p, k) : 0u;
+      if constexpr (kF) dst[i] = fixed_store<D>(fixed_code_f(fixed_load_f<S>(src[i]), qf, mode, r), qf);
+      else dst[i] = fixed_store<D>(fixed_code(FixedElem<S>::load(src[i]), q, mode, r), q);
     }
   }
 }
@@ -114,10 +116,18 @@ void fixed_quantize_cuda(const FixedQuantizeArgs& a, void* stream) {
   if (a.numel == 0) return;
   const int grid = grid_stride_blocks(blocks_for(a.offset, a.numel), kThreads);
   const FixedQuant q = fixed_quant(a.fmt);
+  const FixedQuantF qf = fixed_quant_f(a.fmt);
   auto s = static_cast<cudaStream_t>(stream);
   dispatch_value_type(a.src_type, [&](auto st) {
     dispatch_out_type(a.dst_type, [&](auto dt) {
-      quantize_kernel<decltype(st)::value, decltype(dt)::value><<<grid, kThreads, 0, s>>>(a, q);
+      constexpr FixedType S = decltype(st)::value, D = decltype(dt)::value;
+      if constexpr (S != FixedType::kFloat64) {
+        if (fixed_float_math(a.fmt)) {
+          quantize_kernel<S, D, true><<<grid, kThreads, 0, s>>>(a, q, qf);
+          return;
+        }
+      }
+      quantize_kernel<S, D, false><<<grid, kThreads, 0, s>>>(a, q, qf);
     });
   });
   cuda_check(cudaGetLastError(), "fixed_point quantize launch");
