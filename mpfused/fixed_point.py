@@ -197,14 +197,25 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
 
 
 # ---- training in fixed point --------------------------------------------------------------------------
-_ROLE_BITS = 40  # each stochastic rounding of a call draws from its own 2^40 element indices
-_ROLES = 8       # per FixedPointLinear call: input, output, grad_output, grad_input, grad_weight
-_OPTIM_BIT = 1 << 63  # FixedPointSGD's indices have the top bit set: never those of a layer
+_MASK64 = (1 << 64) - 1
+_LAYER, _OPTIM = 1, 2  # domains of the derived keys: FixedPointLinear's roundings, FixedPointSGD's
 
 
-def _layer_offset(call: int, role: int) -> int:
-    # Indices of role `role` of call `call`: (call * 8 + role) * 2^40, the call count wrapping after 2^20.
-    return (((call * _ROLES + role) << _ROLE_BITS) % _OPTIM_BIT)
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _derive_seed(seed: int, *words: int) -> int:
+    """A Philox key for one rounding of a training run, from the user's seed and what identifies the
+    rounding (domain, call or step, role): SplitMix64 over each word, so that distinct roundings draw
+    from unrelated keys, every one from element index 0, with no limit on the number of calls or steps."""
+    z = seed
+    for w in words:
+        z = _splitmix64(z ^ _splitmix64(w & _MASK64))
+    return z
 
 
 class _FixedPointLinearFn(torch.autograd.Function):
@@ -213,13 +224,13 @@ class _FixedPointLinearFn(torch.autograd.Function):
         fmt, gfmt = layer.fmt, layer.grad_fmt
         rounding, seed, call = layer.rounding, layer.seed, layer.calls
         x2 = x.reshape(-1, x.shape[-1])
-        xc = encode(x2, fmt.il, fmt.fl, rounding=rounding, seed=seed, offset=_layer_offset(call, 0))
+        xc = encode(x2, fmt.il, fmt.fl, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 0))
         wc = encode(weight.detach(), fmt.il, fmt.fl)  # on the grid already (FixedPointSGD keeps it there)
         if bias is not None:  # the bias as one more product: a column of 1.0 in x times a column of b
             one = torch.full((xc.shape[0], 1), 1 << fmt.fl, dtype=xc.dtype, device=xc.device)
             xc = torch.cat([xc, one], 1)
             wc = torch.cat([wc, encode(bias.detach(), fmt.il, fmt.fl)[:, None]], 1)
-        yc = matmul(xc, wc.t(), fmt, fmt, fmt, rounding=rounding, seed=seed, offset=_layer_offset(call, 1))
+        yc = matmul(xc, wc.t(), fmt, fmt, fmt, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 1))
         # Where a saturation clamped (the input outside fmt's range, an output at its ends), the gradient
         # is the clamp's: zero.
         x_clamped = (x2 < fmt.min) | (x2 > fmt.max)
@@ -233,15 +244,15 @@ class _FixedPointLinearFn(torch.autograd.Function):
         xc, wc, x_clamped, y_clamped = ctx.saved_tensors
         fmt, gfmt, rounding, seed, call, has_bias, x_shape = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float().masked_fill(y_clamped, 0.0)
-        gc = encode(g2, gfmt.il, gfmt.fl, rounding=rounding, seed=seed, offset=_layer_offset(call, 2))
+        gc = encode(g2, gfmt.il, gfmt.fl, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 2))
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             w_only = wc[:, :-1] if has_bias else wc
-            gx = matmul(gc, w_only, gfmt, fmt, gfmt, rounding=rounding, seed=seed, offset=_layer_offset(call, 3))
+            gx = matmul(gc, w_only, gfmt, fmt, gfmt, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 3))
             grad_x = decode(gx, gfmt.il, gfmt.fl).masked_fill_(x_clamped, 0.0).reshape(x_shape)
         if ctx.needs_input_grad[1] or (has_bias and ctx.needs_input_grad[2]):
-            gw = decode(matmul(gc.t(), xc, gfmt, fmt, gfmt, rounding=rounding, seed=seed,
-                               offset=_layer_offset(call, 4)), gfmt.il, gfmt.fl)
+            gw = decode(matmul(gc.t(), xc, gfmt, fmt, gfmt, rounding=rounding,
+                               seed=_derive_seed(seed, _LAYER, call, 4)), gfmt.il, gfmt.fl)
             if has_bias:
                 grad_w, grad_b = gw[:, :-1].contiguous(), gw[:, -1].contiguous()
             else:
@@ -259,10 +270,10 @@ class FixedPointLinear(nn.Module):
     and for the inputs outside the range. So weights, activations and gradients are all fixed-point values
     (held in float32 tensors; the values are exact).
 
-    ``rounding`` ("stochastic" or "nearest") applies to every conversion above. Stochastic rounding of
-    call ``t`` (the layer's forward count) takes, for each of its roundings, its own 2^40 element indices
-    under ``seed`` (``(8 t + role) * 2^40 + i``; the count wraps after 2^20 calls), so give each layer its
-    own seed. The count is saved in the state dict (``get_extra_state``): a resumed run draws the same bits.
+    ``rounding`` ("stochastic" or "nearest") applies to every conversion above. Each stochastic rounding
+    of call ``t`` (the layer's forward count) draws under its own key, derived from ``seed``, ``t`` and the
+    rounding's role (SplitMix64; no limit on ``t``); give each layer its own seed. The count is saved in
+    the state dict (``get_extra_state``): a resumed run draws the same bits.
     With ``bias``, ``fmt`` must hold 1.0 (il >= 2): the bias is added as one more product, 1.0 * b.
     Weights start as torch's Linear initialisation rounded to the nearest grid value."""
 
@@ -309,11 +320,11 @@ class FixedPointSGD(torch.optim.Optimizer):
     converted with ``rounding``: "nearest" loses every update smaller than half a grid step, "stochastic"
     keeps it in expectation (the paper's point).
 
-    Stochastic rounding of a param's element ``i`` at its step ``s`` takes the word of index
-    ``2^63 + (s mod 2^23) * 2^40 + p + i`` under ``seed``, ``p`` the number of elements of the params
-    before it (in param-group order): a function of (seed, step, element), so a run resumed from
-    ``state_dict()`` (steps per param, momentum buffers, the groups' seeds) is bit-identical. The top
-    index bit keeps these words apart from :class:`FixedPointLinear`'s."""
+    Stochastic rounding of a param's element ``i`` at its step ``s`` takes the bits of index ``p + i``
+    under a key derived from ``seed`` and ``s`` (SplitMix64, apart from :class:`FixedPointLinear`'s keys),
+    ``p`` the number of elements of the params before it (in param-group order): a function of (seed,
+    step, element), so a run resumed from ``state_dict()`` (steps per param, momentum buffers, the groups'
+    seeds) is bit-identical."""
 
     def __init__(self, params: Iterable, lr: float, fmt: FormatLike, rounding: str = "stochastic", seed: int = 0,
                  momentum: float = 0.0):
@@ -344,8 +355,6 @@ class FixedPointSGD(torch.optim.Optimizer):
             fmt = FixedPointFormat(*group["fmt"])
             for p in group["params"]:
                 numel = p.numel()
-                if first + numel > 1 << _ROLE_BITS:
-                    raise ValueError(f"FixedPointSGD's params may hold at most 2^{_ROLE_BITS} elements in all")
                 if p.grad is not None:
                     state = self.state[p]
                     step = state.get("step", 0)
@@ -358,8 +367,8 @@ class FixedPointSGD(torch.optim.Optimizer):
                             buf.mul_(group["momentum"]).add_(d)
                         d = buf
                     v = p.double() - group["lr"] * d.double()
-                    offset = _OPTIM_BIT + ((step % (1 << 23)) << _ROLE_BITS) + first
-                    p.copy_(_convert(v, fmt, group["rounding"], group["seed"], offset, torch.float64))
+                    key = _derive_seed(group["seed"], _OPTIM, step)
+                    p.copy_(_convert(v, fmt, group["rounding"], key, first, torch.float64))
                     state["step"] = step + 1
                 first += numel
         return loss

@@ -486,3 +486,21 @@ def test_fp32_arithmetic_gives_the_fp64_codes(device, fmt, rounding):
         fast = fxp.encode(xs, il, fl, rounding=rounding, seed=5, offset=17)
         exact = fxp.encode(xs.double(), il, fl, rounding=rounding, seed=5, offset=17)
         assert torch.equal(fast, exact), (dtype, fmt, rounding)
+
+
+def test_linear_stochastic_calls_draw_fresh_bits_and_replay_from_the_count():
+    # Each forward call rounds under keys derived from (seed, call, role): two calls on the same input
+    # differ, a layer restored to call 0 replays the first, and another seed draws other bits.
+    torch.manual_seed(1)
+    x = torch.randn(64, 32) * 0.3
+    make = lambda seed: fxp.FixedPointLinear(32, 48, (4, 8), rounding="stochastic", seed=seed)  # noqa: E731
+    layer = make(5)
+    state = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    first, second = layer(x).detach(), layer(x).detach()
+    assert not torch.equal(first, second)
+    replay = make(5)
+    replay.load_state_dict({**layer.state_dict(), **state, "_extra_state": {"calls": 0, "seed": 5}})
+    assert torch.equal(replay(x).detach(), first)
+    other = make(6)
+    other.load_state_dict({**layer.state_dict(), **state, "_extra_state": {"calls": 0, "seed": 6}})
+    assert not torch.equal(other(x).detach(), first)
