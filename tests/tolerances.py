@@ -139,3 +139,10 @@ LION_DIRECTION_ERROR_PER_STEP = 5 * 2.0**-24
 # largest |p| of the run (<= max |p0| + steps * lr, which is >= lr); the decay factor <= 1 does not amplify
 # earlier errors. Per step, times P:
 LION_WEIGHT_RTOL_PER_STEP = 4 * 2.0**-24
+
+# Stochastic rounding's bias (tests/test_optim_precision.py): N independent roundings that each move up with
+# probability p give a Binomial(N, p) count of moves; the test bounds the observed count's distance from N p
+# by this many standard deviations sqrt(N p (1 - p)). Six sigma: a correct (unbiased, independent) rounding
+# fails with probability about 2e-9; a biased one (round-to-nearest moves none: N p = 1e5 away, ~320 sigma;
+# a bias of one part in 30 of p is ~10 sigma at the test's N = 3.2e6) fails.
+SR_MEAN_SIGMAS = 6
