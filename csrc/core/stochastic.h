@@ -47,7 +47,10 @@ MPF_HD float f16_sr_value(float f, uint32_t r) {
   e = e > 143u ? 143u : e;
   // |x| in steps (exact: a power-of-two scaling of a finite value), its whole steps and the dropped part.
   float q = bits_as_float(a) * bits_as_float((264u - e) << 23);  // * 2^(10 - (e - 127))
-  q = q < 4096.f ? q : 4096.f;  // inf and huge values (NaN too: the compare is false) to 2^12 steps: inf below
+  // inf and huge values (NaN too) to 2^12 steps: inf below. q is +0 or more, or NaN, so its bit pattern orders
+  // it: an integer compare, which the CPU loops if-convert and vectorise (a float compare, which may trap, is
+  // not if-converted by GCC, and the loop stays scalar).
+  q = bits_as_float(select_bits(float_as_bits(q) < 0x45800000u, float_as_bits(q), 0x45800000u));  // 4096.f
   const float whole = static_cast<float>(static_cast<int32_t>(q));
   const float frac = q - whole;  // exact
   const float up = static_cast<float>(r >> 8) < frac * 16777216.f ? 1.f : 0.f;

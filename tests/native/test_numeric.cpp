@@ -9,6 +9,7 @@
 #include "check.h"
 #include "core/master_split.h"
 #include "core/numeric.h"
+#include "core/stochastic.h"
 
 using namespace mpf;
 
@@ -68,6 +69,23 @@ uint16_t ref_bf16_ties_away(float f) {
   const double below = a - value(down), above = value(down + 0x10000u) - a;
   const uint32_t mag = (below < above ? down : down + 0x10000u) >> 16;
   return static_cast<uint16_t>((sign >> 16) | mag);
+}
+
+// f16_sr_value with its overflow clamp written as the float compare it means (core/stochastic.h compares the
+// bit pattern instead, so that CPU loops vectorise): the two must agree on every input.
+float ref_f16_sr_value(float f, uint32_t r) {
+  const uint32_t u = float_as_bits(f);
+  const uint32_t a = u & 0x7fffffffu;
+  uint32_t e = a >> 23;
+  e = e < 113u ? 113u : e;
+  e = e > 143u ? 143u : e;
+  float q = bits_as_float(a) * bits_as_float((264u - e) << 23);
+  q = q < 4096.f ? q : 4096.f;
+  const float whole = static_cast<float>(static_cast<int32_t>(q));
+  const float frac = q - whole;
+  const float up = static_cast<float>(r >> 8) < frac * 16777216.f ? 1.f : 0.f;
+  const float v = (whole + up) * bits_as_float((e - 10u) << 23);
+  return bits_as_float(a >= 0x7f800000u ? u : (u & 0x80000000u) | float_as_bits(v));
 }
 
 void check_master_split(uint32_t u) {
@@ -148,5 +166,11 @@ int main() {
   for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) check_master_split(static_cast<uint32_t>(u));
   for (uint32_t h = 0; h < 0x10000u; h += 7)
     for (uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) check_master_split((h << 16) | low);
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 65521)
+    for (uint32_t r : {0u, 1u << 8, 0x7fffffffu, 0x80000000u, 0xffffffffu, static_cast<uint32_t>(u * 2654435761u)}) {
+      const float f = bits_as_float(static_cast<uint32_t>(u));
+      CHECK(float_as_bits(f16_sr_value(f, r)) == float_as_bits(ref_f16_sr_value(f, r)), "f16 sr %08llx r %08x",
+            (unsigned long long)u, r);
+    }
   return native_test::finish("test_numeric");
 }
