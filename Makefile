@@ -33,7 +33,7 @@ build: venv
 # the paths it lacks are listed as skipped. tests/test_cpu_isa.py compares the paths bit for bit.
 ISA_PATHS := scalar avx2 avx512
 KERNEL_TESTS := tests/test_overflow.py tests/test_optim.py tests/test_lamb.py tests/test_lion.py tests/test_gemm.py tests/test_random.py \
-                tests/test_fixed_point.py
+                tests/test_fixed_point.py tests/test_optim_precision.py
 SUPPORTED_ISAS = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['cpu_isa_supported'].replace(',', ''))")
 DEFAULT_ISA = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['cpu_isa'])")
 

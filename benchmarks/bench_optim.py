@@ -33,6 +33,9 @@ AdamW          ``FusedAdamW.step()`` with ``grad_scale`` =  ``_amp_foreach_non_f
                                                             ``FusedAdam(master_weights=True, capturable=True)``
                                                             stepped with a GradScaler, when ``import apex`` works
 host overhead  ``step()`` on 300 one-element tensors        ``torch.optim.AdamW(fused=True)`` on the same
+SR FP16/BF16   ``FusedAdamW(master_weights=False,           the same step with ``rounding="nearest"`` (the
+               rounding="stochastic").step()``              anchor: what stochastic rounding costs)
+remainder BF16 ``FusedAdamW(master_weights="remainder")``   ``FusedAdamW(master_weights=True)``: FP32 masters
 ============== ============================================ ==================================================
 
 A fused torch variant that raises is reported as "n/a" with the reason. Hyperparameters: lr 1e-3, betas
@@ -48,6 +51,10 @@ the harness's copy roof, measured interleaved with the section):
 
 - FP32 AdamW / Adam: param read + write 8, grad read 4, exp_avg read + write 8, exp_avg_sq read + write 8 = 28.
 - FP32 SGD with momentum: param 8, grad 4, momentum buffer 8 = 20.
+- AdamW on FP16/BF16 params without masters (the SR sections): param read + write 4, grad read 2, moments
+  16 = 22, for either rounding (stochastic rounding adds Philox arithmetic, no traffic).
+- AdamW on BF16 params with remainders: param read + write 4, remainder read + write 4, grad 2, moments 16
+  = 26; with FP32 masters: master read + write 8, param write 2, grad 2, moments 16 = 28.
 - AdamW O2: 30 (FP32 master read + write 8, FP16/BF16 grad read + write of the unscaled value 4, moments
   16, FP16/BF16 param write 2) plus 2 for the inf check (the grads read once more) = 32; ``step()`` alone:
   30. torch's pipeline is charged the same 32 B per param (the job), though it moves about 44 (a: 4, b: 6,
@@ -68,7 +75,9 @@ reasons are rows of benchmarks/goals.py):
 (b) CPU: our O2 AdamW (check + step) against torch's O2 pipeline;
 (c) CUDA: our steps as a share of the copy roof on the traffic model;
 (d) CUDA: our O2 AdamW against torch's O2 pipeline, and (e) against apex when apex is present;
-(f) CUDA: the kernels one ``step()`` launches per param group (counted with torch.profiler).
+(f) CUDA: the kernels one ``step()`` launches per param group (counted with torch.profiler);
+(i) CPU: the step with stochastic rounding within 10% of the time of the same step rounding to nearest.
+The remainder mode's time against FP32 masters is reported as INFO.
 
 Memory: each section's tensors are freed before the next one is built; a section that would not fit in
 the memory available (host RAM on the CPU, free GPU memory on CUDA) is skipped with the estimate.
@@ -136,13 +145,18 @@ BYTES_TORCH_O2_ACTUAL = 4 + 6 + 28 + 6
 BYTES_FP32_LAMB = 4 + 24 + 16  # the global-norm pass reads grads; pass 1 reads g, p, m, v and writes m, v;
 #                                pass 2 reads p, m, v and writes p
 BYTES_FP32_LION = 20  # param r+w 8, grad r 4, exp_avg r+w 8
+BYTES_LOWP_NO_MASTER = 22  # 16-bit param r+w 4, grad r 2, moments r+w 16
+BYTES_REMAINDER = 26  # BF16 param r+w 4, int16 remainder r+w 4, grad 2, moments 16
+BYTES_MASTERS_NO_UNSCALE = 28  # FP32 master r+w 8, BF16 param w 2, grad 2, moments 16
 LAMB_WEIGHT_DECAY = 1e-2
 LAMB_MAX_GRAD_NORM = 1.0
 LION_LR = 1e-4
 LION_BETAS = (0.9, 0.99)
 
-SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "overhead")
+SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "sr-fp16", "sr-bf16", "remainder",
+            "overhead")
 LOW_PRECISION = {"o2-fp16": ("FP16", torch.float16), "o2-bf16": ("BF16", torch.bfloat16)}
+SR_SECTIONS = {"sr-fp16": ("FP16", torch.float16), "sr-bf16": ("BF16", torch.bfloat16)}
 
 # Method names (table rows and JSON records).
 OURS_ADAMW = "mpfused FusedAdamW.step()"
@@ -157,6 +171,11 @@ TORCH_O2 = "torch O2: unscale_ -> copy to FP32 grads -> AdamW -> copy back"
 APEX_O2 = "apex FusedAdam(master_weights, capturable) + GradScaler check"
 ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
     "for-loop", "foreach", "fused", "torch O2", "apex")
+OURS_NEAREST = "mpfused FusedAdamW.step(), no masters, rounding='nearest'"
+OURS_SR = "mpfused FusedAdamW.step(), no masters, rounding='stochastic'"
+OURS_REMAINDER = "mpfused FusedAdamW.step(), master_weights='remainder'"
+OURS_MASTERS = "mpfused FusedAdamW.step(), master_weights=True (FP32 masters)"
+ANCHOR_NEAREST, ANCHOR_MASTERS = "nearest", "FP32 masters"
 TORCH_LAMB = "torch for-loop LAMB (apex semantics, written here)"
 TORCH_LION_LOOP = "torch for-loop Lion (written here)"
 TORCH_LION_FOREACH = "torch foreach Lion (written here)"
@@ -390,6 +409,42 @@ def lamb_lion_section(key: str, sizes: list[int], device: torch.device) -> Secti
                    [ANCHOR_LOOP, ANCHOR_FOREACH])
 
 
+def precision_section(key: str, sizes: list[int], device: torch.device) -> Section:
+    """The precision modes of FusedAdamW on 16-bit params, each on its own copy of the params (they write
+    them) with shared grads (read only): stochastic against round-to-nearest write-back without masters
+    (sr-fp16, sr-bf16), and BF16 remainders against FP32 masters (remainder)."""
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    dtype = SR_SECTIONS[key][1] if key in SR_SECTIONS else torch.bfloat16
+    grads = randn_list(sizes, device, SEED + 1, std=GRAD_STD, dtype=dtype)
+    if key in SR_SECTIONS:
+        variants = [(OURS_NEAREST, ANCHOR_NEAREST, dict(master_weights=False, rounding="nearest"),
+                     BYTES_LOWP_NO_MASTER),
+                    (OURS_SR, None, dict(master_weights=False, rounding="stochastic", seed=SEED),
+                     BYTES_LOWP_NO_MASTER)]
+        title = f"{SR_SECTIONS[key][0]} AdamW without masters: stochastic vs nearest write-back"
+        model = f"{BYTES_LOWP_NO_MASTER} B/param: param r+w 4, grad r 2, exp_avg and exp_avg_sq r+w 16"
+        notes = []
+    else:
+        variants = [(OURS_MASTERS, ANCHOR_MASTERS, dict(master_weights=True), BYTES_MASTERS_NO_UNSCALE),
+                    (OURS_REMAINDER, None, dict(master_weights="remainder"), BYTES_REMAINDER)]
+        title = "BF16 AdamW: remainder (2 B/param of master) vs FP32 masters (4 B/param)"
+        model = (f"{BYTES_REMAINDER} B/param with remainders (param r+w 4, remainder r+w 4, grad 2, moments 16); "
+                 f"{BYTES_MASTERS_NO_UNSCALE} with FP32 masters (master r+w 8, param w 2, grad 2, moments 16)")
+        notes = ["the two updates are bit-identical (tests/test_optim_precision.py); the remainder saves 2 B/param "
+                 "of memory and 2 B/param of traffic per step"]
+    methods = []
+    for name, anchor, mode, nbytes in variants:
+        params = make_params(randn_list(sizes, device, SEED, dtype=dtype), grads)
+        opt = FusedAdamW(params, **kw, **mode)
+
+        def finite(opt=opt, params=params) -> list[torch.Tensor]:
+            return list(params) + [opt.state[p]["master_param"] for p in params if "master_param" in opt.state[p]]
+        methods.append(method(name, "mpfused", opt.step, nbytes, anchor=anchor, step_count=first_step(opt),
+                              finite_tensors=finite))
+    anchors = [ANCHOR_NEAREST] if key in SR_SECTIONS else [ANCHOR_MASTERS]
+    return Section(key, title, model, sum(sizes), len(sizes), methods, anchors, notes)
+
+
 def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
     """O2 AdamW on FP16 or BF16 params: ours (check + step, and step alone) against torch's pipeline and
     apex. torch's pipeline and apex get their own copies of the params and grads (the pipeline writes both)."""
@@ -608,6 +663,9 @@ def bytes_needed(key: str, params: int, with_apex: bool) -> int:
         "lion": 8 + 3 * 4 + 8,
         "o2-fp16": o2,
         "o2-bf16": o2,
+        "sr-fp16": 2 + 2 * 20 + 4,  # shared grads, two optimizers' params and moments, temporaries
+        "sr-bf16": 2 + 2 * 20 + 4,
+        "remainder": 2 + 22 + 24 + 4,  # shared grads; param, remainder, moments; param, master, moments
         "overhead": 0,
     }[key]
     return per_param * params
@@ -854,6 +912,14 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
         add("cost of leaving p.grad unscaled: step() with grad_scale vs on unscaled grads", key,
             None if cost is None else 100.0 * cost, "{:+.1f}% time", "2 of 30 B/param: ~+7%", True, False,
             missing(key))
+    for key in SR_SECTIONS:
+        sr, nearest = find(records, key, OURS_SR), find(records, key, OURS_NEAREST)
+        ratio = None if sr is None or nearest is None else sr["timing"]["median_s"] / nearest["timing"]["median_s"]
+        add_goal("(i)", key, ratio, "{:.3f}", missing(key))
+    rem, masters = find(records, "remainder", OURS_REMAINDER), find(records, "remainder", OURS_MASTERS)
+    add("remainder step time / FP32-master step time (BF16 AdamW)", "remainder",
+        None if rem is None or masters is None else rem["timing"]["median_s"] / masters["timing"]["median_s"],
+        "{:.3f}", "26 vs 28 B/param: ~0.93", True, False, missing("remainder"))
     for key, ours in (("adamw", OURS_ADAMW), ("adam", OURS_ADAM), ("sgd", OURS_SGD), ("o2-fp16", OURS_O2_STEP),
                       ("o2-bf16", OURS_O2_STEP)):
         rec = find(records, key, ours)
@@ -952,6 +1018,8 @@ def main() -> None:
             section = lamb_lion_section(key, sizes, device)
         elif key in LOW_PRECISION:
             section = o2_section(key, sizes, device)
+        elif key in SR_SECTIONS or key == "remainder":
+            section = precision_section(key, sizes, device)
         else:
             section = overhead_section(device)
         roofs_by_section[key], of_section = measure_section(section, args, probe)

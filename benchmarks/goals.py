@@ -96,6 +96,10 @@ GOALS: tuple[Goal, ...] = (
          "grad, the update and its norms) move well over twice that"),
     Goal("optim", "(h)", "FP32 Lion: ours vs torch foreach Lion", ">=", 2.0, "{:.1f}x", "any",
          "ours moves 20 B/param in one pass; the seven foreach ops read and write about 68"),
+    Goal("optim", "(i)", "stochastic-rounding step time / round-to-nearest step time (no masters)", "<=", 1.10,
+         "{:.3f}", "cpu",
+         "the same 22 B/param of traffic; stochastic rounding adds a Philox4x32-10 block per four elements "
+         "(vectorised, philox_blocks.inc), which must hide behind the memory traffic to within 10%", scope="CPU"),
     # ---- bench_scaler.py: GradScaler + FusedAdamW iteration with clipping ---------------------------------
     Goal("scaler", "(a)", "ours vs torch O2 iteration (FP32 masters, clip)", ">=", 1.5, "{:.1f}x", "any",
          "torch's O2 iteration moves 60 B/param where ours moves 36 (bench_scaler's traffic models): 1.67x, "

@@ -116,16 +116,32 @@ std::string describe_layout(const at::Tensor& t) {
   return s.str();
 }
 
-// A float32 tensor with its param's shape and memory layout on `device` (optimizer state, master weights).
-float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+// A tensor that goes with a param (optimizer state, master weight, remainder): dtype `dtype` (`dtype_name` in
+// messages), on `device`, with the param's shape and memory layout.
+void check_beside_param(const at::Tensor& t, const std::string& name, at::ScalarType dtype, const char* dtype_name,
+                        const at::Device& device, const at::Tensor& param) {
   check_dense(t, name);
-  if (t.scalar_type() != at::kFloat) fail(name + " must be float32, got a " + describe(t));
+  if (t.scalar_type() != dtype) fail(name + " must be " + dtype_name + ", got a " + describe(t));
   if (t.device() != device) fail(name + " must be on " + device.str() + " like its param, got a " + describe(t));
   if (t.sizes() != param.sizes()) fail(name + " must have its param's shape " + c10::str(param.sizes()) + ", got a " + describe(t));
   if (!same_layout(t, param))
     fail(name + " must have its param's memory layout (strides " + c10::str(param.strides()) + "), got a " +
          describe_layout(t));
+}
+
+// A float32 tensor beside its param (optimizer state, master weights).
+float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+  check_beside_param(t, name, at::kFloat, "float32", device, param);
   return t.data_ptr<float>();
+}
+
+// An int16 remainder beside a BF16 param (master_weights="remainder", core/master_split.h).
+int16_t* remainder_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+  if (param.scalar_type() != at::kBFloat16)
+    fail(name + " is given for a " + describe(param) + " param; remainders (master_weights='remainder') are for "
+         "bfloat16 params only");
+  check_beside_param(t, name, at::kShort, "int16", device, param);
+  return t.data_ptr<int16_t>();
 }
 
 // A tensor hyperparameter (core/optim/common.h HyperRef): float32 or float64, one element, on the update's device.
@@ -144,14 +160,20 @@ const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& li
   return list[i] ? &*list[i] : nullptr;
 }
 
-// Validates one device's params with their grads, masters, states (the policy's kStates, of which the
-// step uses those in state_mask) and step counters; raises before anything is written.
+// Validates one device's params with their grads, masters or remainders, states (the policy's kStates, of
+// which the step uses those in state_mask), step counters (required where need_step, and for the 16-bit
+// params that a stochastic step rounds: its stream is the step number) and the stochastic rounding's
+// element offsets; raises before anything is written.
 std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                                            const std::vector<OptTensorList>& states, const char* const* state_names,
-                                            uint32_t state_mask, const OptTensorList& steps, bool need_step,
-                                            at::Device& device) {
+                                            const OptTensorList& remainders, const std::vector<OptTensorList>& states,
+                                            const char* const* state_names, uint32_t state_mask,
+                                            const OptTensorList& steps, bool need_step, bool stochastic,
+                                            const std::vector<uint64_t>& sr_offsets, at::Device& device) {
   const size_t n = params.size();
   if (grads.size() != n) fail("grads must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(grads.size()));
+  if (!sr_offsets.empty() && sr_offsets.size() != n)
+    fail("sr_offsets must be empty or have one entry per param (" + std::to_string(n) + "), got " +
+         std::to_string(sr_offsets.size()));
   std::vector<mpf::OptimTensor> out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -183,6 +205,18 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     t.numel = p.numel();
     t.dtype = d;
     if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, p);
+    if (const at::Tensor* r = opt(remainders, i, "remainders", n)) {
+      if (t.master) fail("params" + idx + " has a master and a remainder; give one of the two");
+      t.remainder = remainder_ptr(*r, "remainders" + idx, device, p);
+    }
+    const bool rounds_sr = stochastic && d != DType::kFloat32 && !t.remainder;
+    if (!sr_offsets.empty()) {
+      t.sr_offset = sr_offsets[i];
+      if (t.sr_offset > UINT64_MAX - static_cast<uint64_t>(t.numel))
+        fail("sr_offsets" + idx + " + the param's numel must be at most 2**64, got " + std::to_string(t.sr_offset));
+    } else if (rounds_sr) {
+      fail("sr_offsets is required with rounding='stochastic' (the Philox index of each param's first element)");
+    }
     for (size_t k = 0; k < states.size(); ++k) {
       const at::Tensor* s = opt(states[k], i, state_names[k], n);
       if (!((state_mask >> k) & 1u)) continue;  // a state this step does not use is not touched
@@ -190,8 +224,8 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
       t.state[k] = state_ptr(*s, state_names[k] + idx, device, p);
     }
     const at::Tensor* st = opt(steps, i, "steps", n);
-    if (need_step) {
-      if (!st) fail("steps" + idx + " is required");
+    if (need_step || rounds_sr) {
+      if (!st) fail("steps" + idx + " is required" + std::string(need_step ? "" : " (rounding='stochastic': the step number is its random stream)"));
       check_scalar(*st, "steps" + idx, device);
       t.step = st->data_ptr<float>();
     }
@@ -268,12 +302,13 @@ pybind11::dict optim_policies() {
 
 template <class P>
 void optim_step_with(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                     const std::vector<OptTensorList>& states, const OptTensorList& steps, double lr,
+                     const OptTensorList& remainders, const std::vector<OptTensorList>& states, const OptTensorList& steps, double lr,
                      const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
                      const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
                      double max_norm, const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& counter, bool write_grad) {
+                     const std::optional<at::Tensor>& counter, bool write_grad, mpf::Rounding rounding,
+                     uint64_t seed, const std::vector<uint64_t>& sr_offsets) {
   const std::string where = std::string(" (") + P::kName + ")";
   if (hyper.size() != static_cast<size_t>(P::kNumHyper))
     fail("hyper must have " + std::to_string(P::kNumHyper) + " values" + where + ", got " + std::to_string(hyper.size()));
@@ -305,8 +340,9 @@ void optim_step_with(const TensorList& params, const TensorList& grads, const Op
   // The states and the step count a step uses depend only on values that are never tensors.
   const uint32_t flags = P::flags(h);
   at::Device device(at::kCPU);
-  auto tensors = optim_tensors(params, grads, masters, states, P::kStates, P::state_mask(flags), steps,
-                               P::needs_step(flags), device);
+  const bool stochastic = rounding == mpf::Rounding::kStochastic;
+  auto tensors = optim_tensors(params, grads, masters, remainders, states, P::kStates, P::state_mask(flags), steps,
+                               P::needs_step(flags), stochastic, sr_offsets, device);
   mpf::OptimArgs a{};
   mpf::optim_kind(P::kName, &a.kind);
   a.tensors = tensors.data();
@@ -319,21 +355,29 @@ void optim_step_with(const TensorList& params, const TensorList& grads, const Op
   fill_common(a, lr, lr_tensor, inv_scale, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);
   a.write_grad = write_grad;
+  a.rounding = rounding;
+  a.seed = seed;
   run_optim(a, device);
 }
 
 void optim_step_(const std::string& kind, const TensorList& params, const TensorList& grads,
-                 const OptTensorList& masters, const std::vector<OptTensorList>& states, const OptTensorList& steps,
+                 const OptTensorList& masters, const OptTensorList& remainders,
+                 const std::vector<OptTensorList>& states, const OptTensorList& steps,
                  double lr, const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
                  const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
                  double max_norm, const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& counter,
-                 bool write_grad) {
+                 bool write_grad, const std::string& rounding, uint64_t seed, const std::vector<uint64_t>& sr_offsets) {
   mpf::OptimKind k;
   if (!mpf::optim_kind(kind.c_str(), &k)) fail("unknown optimizer policy '" + kind + "'");
+  mpf::Rounding r;
+  if (rounding == "nearest") r = mpf::Rounding::kNearest;
+  else if (rounding == "stochastic") r = mpf::Rounding::kStochastic;
+  else fail("rounding must be 'nearest' or 'stochastic', got '" + rounding + "'");
   mpf::dispatch_optim(k, [&](auto policy) {
-    optim_step_with<decltype(policy)>(params, grads, masters, states, steps, lr, lr_tensor, hyper, hyper_tensors,
-                                      inv_scale, grad_scale, clip_sumsq, max_norm, found_inf, counter, write_grad);
+    optim_step_with<decltype(policy)>(params, grads, masters, remainders, states, steps, lr, lr_tensor, hyper,
+                                      hyper_tensors, inv_scale, grad_scale, clip_sumsq, max_norm, found_inf, counter,
+                                      write_grad, r, seed, sr_offsets);
   });
 }
 

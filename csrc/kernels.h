@@ -13,6 +13,7 @@
 #include "core/fixed_point.h"
 #include "core/gemm.h"
 #include "core/loss_scale.h"
+#include "core/master_split.h"
 #include "core/multi_tensor_plan.h"
 #include "core/numeric.h"
 #include "core/optim/registry.h"
@@ -68,6 +69,10 @@ struct OptimTensor {
                              //   the policy's needs_step is false
   int64_t numel;
   DType dtype;               // of param and grad
+  int16_t* remainder;        // BF16 param only, never with a master: the low 16 bits of its FP32 master
+                             //   (core/master_split.h), read and written with the param; or nullptr
+  uint64_t sr_offset;        // OptimArgs::rounding stochastic: the Philox element index of element 0 (the
+                             //   param's start in the optimizer's flat order of all its params)
 };
 
 struct OptimArgs {
@@ -92,6 +97,13 @@ struct OptimArgs {
   unsigned int* counter;       // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed:
                                //   then the step counters are incremented by the last launch's last
                                //   block instead of a separate launch; one stream at a time
+  Rounding rounding;           // how an FP16/BF16 param is written from its FP32 result (the update without
+                               //   a master, or the copy of the master): kStochastic rounds element e of a
+                               //   tensor with the Philox word of index sr_offset + e of stream (step,
+                               //   kStreamOptim) under `seed`, step = the tensor's step count after this
+                               //   step (its step tensor is then required). A remainder param always rounds
+                               //   to nearest (core/master_split.h).
+  uint64_t seed;
 };
 
 constexpr PlanLimits kCpuOptimLimits{int64_t{1} << 14, INT32_MAX, INT32_MAX};

@@ -130,9 +130,13 @@ def optim_policies() -> dict:
     return {name: {k: list(v) for k, v in spec.items()} for name, spec in _POLICIES.items()}
 
 
+_ROUNDINGS = ("nearest", "stochastic")
+
+
 def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr, hyper: dict, inv_scale=None,
                 grad_scale=None, clip_sumsq=None, max_norm: float = math.inf, found_inf=None, counter=None,
-                write_grad: bool = False) -> None:
+                write_grad: bool = False, remainders=(), rounding: str = "nearest", seed: int = 0,
+                sr_offsets=()) -> None:
     """One fused step of the optimizer ``policy`` ("adam", "sgd", "lamb", "lion") over params of one device
     (any mix of FP32/FP16/BF16), in one pass per element (two for LAMB):
 
@@ -155,6 +159,15 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     increments the step counters, sparing a launch. ``write_grad``: a taken step also writes the gradient
     it used (unscaled and clipped) back into ``grads``, as torch's fused optimizers leave p.grad unscaled.
     Params may have any dense layout (channels_last, ...) that their grads, masters and states share.
+
+    ``remainders``: empty, or per param None or an int16 tensor beside a bfloat16 param without a master:
+    the low 16 bits of its FP32 master, which is ``(param bits << 16) + remainder``; the step updates that
+    master and writes it back split (the param its round-to-nearest, ties away from zero; see
+    csrc/core/master_split.h). ``rounding``: how an FP16/BF16 param is written from its FP32 result (the
+    update without a master, or the copy of the master): "nearest" (even), or "stochastic": element ``e`` of
+    param ``i`` with the Philox word of index ``sr_offsets[i] + e`` of stream ``(step number, 1)`` under
+    ``seed`` (an int in [0, 2^64)), the step number being that param's step count after this step (read on
+    the device: ``steps[i]`` is then required for every 16-bit param without a remainder).
     Validates everything before writing anything; never syncs the host with the device."""
     spec = _POLICIES.get(policy)
     if spec is None:
@@ -166,12 +179,17 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     unknown = set(states) - set(spec["states"])
     if unknown:
         raise ValueError(f"unknown states for {policy!r}: {sorted(unknown)} (expected some of {spec['states']})")
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"Invalid rounding: {rounding!r} (expected 'nearest' or 'stochastic')")
+    seed = check_u64(seed, "seed")
+    sr_offsets = [check_u64(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
     values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
     tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
-    _C.optim_step_(policy, params, grads, masters, [states.get(n, ()) for n in spec["states"]], steps,
-                   lr_value, lr_tensor, values, tensors if any(t is not None for t in tensors) else [], inv_scale,
-                   grad_scale, clip_sumsq, float(max_norm), found_inf, counter, bool(write_grad))
+    _C.optim_step_(policy, params, grads, masters, list(remainders), [states.get(n, ()) for n in spec["states"]],
+                   steps, lr_value, lr_tensor, values, tensors if any(t is not None for t in tensors) else [],
+                   inv_scale, grad_scale, clip_sumsq, float(max_norm), found_inf, counter, bool(write_grad), rounding,
+                   seed, sr_offsets)
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,

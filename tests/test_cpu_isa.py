@@ -128,6 +128,21 @@ for dt in (torch.float16, torch.bfloat16):
             opt.step()
         del opt.grad_scale, opt.found_inf
         out[f"{dt}-{type(opt).__name__}"] = [p.detach().clone() for p in ps] + [p.grad.clone() for p in ps]
+    # the precision modes: stochastic write-back (no masters, and the model copy of masters), remainders
+    modes = [(FusedAdamW, dict(master_weights=False, rounding="stochastic", seed=2**50 + 3)),
+             (FusedSGD, dict(master_weights=True, rounding="stochastic", seed=17)),
+             (FusedLion, dict(master_weights=False, rounding="stochastic", seed=5))]
+    if dt == torch.bfloat16:
+        modes += [(FusedAdam, dict(master_weights="remainder", amsgrad=True)), (FusedLAMB, dict(master_weights="remainder"))]
+    for cls, kw in modes:
+        ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (5, 1000, 4099, 40000)]
+        opt = cls(ps, lr=1e-3, **kw)
+        for i in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(dt)
+            opt.step()
+        out[f"{dt}-{cls.__name__}-{kw}"] = [p.detach().clone() for p in ps] + [
+            v.clone() for p in ps for v in opt.state[p].values()]
     a = torch.randn(37, 70, generator=g).to(dt); b = torch.randn(70, 45, generator=g).to(dt)
     bias = torch.randn(45, generator=g).to(dt); c = torch.randn(37, 45, generator=g).to(dt)
     for act in (None, "relu", "gelu"):

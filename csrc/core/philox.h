@@ -70,7 +70,9 @@ MPF_HD Philox4 philox_block(uint64_t seed, uint64_t block, uint32_t s0, uint32_t
 // The random bits of element k (0..7) of a block, as the top 16 bits of a 32-bit value (the low 16 are
 // zero): what the rounding functions take as `r` (they compare with its top bits).
 MPF_HD uint32_t philox_bits(const Philox4& p, int k) {
-  const uint32_t w = p.v[k >> 1];
+  // Selects, not p.v[k >> 1]: a run-time index into the words would put them in GPU local memory.
+  const int i = k >> 1;
+  const uint32_t w = i == 0 ? p.v[0] : i == 1 ? p.v[1] : i == 2 ? p.v[2] : p.v[3];
   return (k & 1) ? (w & 0xFFFF0000u) : (w << 16);
 }
 

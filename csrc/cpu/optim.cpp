@@ -1,7 +1,8 @@
 // CPU backend of the fused optimizer step: any policy of core/optim/ applied by the generic driver of
 // optim_impl.inc, parallel over chunks. A step with found_inf != 0 returns before anything is written.
 // The per-tensor scalars are computed here on the host (the CPU's "device" values) and the step
-// counters are incremented after the pass.
+// counters are incremented after the pass (a stochastic write-back reads them during it: its stream is the
+// step number, count + 1).
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -18,6 +19,8 @@ struct StepConsts {
   float grad_mul;   // the unscale factor
   float clip;       // the clip coefficient
   bool write_grad;  // store the gradient used (unscaled, clipped) back into grad
+  bool stochastic;  // 16-bit params without a remainder are written with stochastic rounding
+  uint64_t seed;
 };
 
 using Work = std::vector<std::pair<int64_t, int64_t>>;  // (tensor, chunk) items, tensor by tensor
@@ -54,7 +57,8 @@ void step_with(const OptimArgs& a, int num_threads) {
   for (const PlanLaunch& l : plan_multi_tensor(numel.data(), a.num_tensors, kCpuOptimLimits))
     for (const PlanItem& it : l.items) work.emplace_back(l.tensors[it.slot], it.chunk);
 
-  const StepConsts consts{unscale_factor(a.inv_scale, a.grad_scale), clip, a.write_grad};
+  const StepConsts consts{unscale_factor(a.inv_scale, a.grad_scale), clip, a.write_grad,
+                          a.rounding == Rounding::kStochastic, a.seed};
   const int threads = cpu_threads(num_threads, total, kGrain);
   const uint32_t flags = P::flags(h);
   [&] { MPF_CPU_DISPATCH(run<P>(a, flags, consts, scalars.data(), work, threads)); }();

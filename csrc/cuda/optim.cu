@@ -13,6 +13,11 @@
 // memory; in pass 2 every block of a tensor adds that tensor's partials in the same fixed order, so all
 // its blocks derive the same factor without a third launch, and the result does not depend on timing.
 //
+// The FP32 weight of a param is its master, the param itself, or a BF16 param joined with its int16
+// remainder (core/master_split.h); a 16-bit param is written with round-to-nearest, or, with
+// OptimArgs::rounding stochastic, with the Philox word of its element index (sr_offset + e) in stream (step
+// number, kStreamOptim): the same bits as the CPU backend (the step number is read on the device too).
+//
 // Nothing syncs with the host: lr, tensor hyperparameters, inv_scale, the clip sum of squares, found_inf
 // and the steps are read on the device, so step() can be captured in a CUDA graph. Tensors may have any
 // dense layout (channels_last, ...) as long as a param, its grad, master and states share it: the update
@@ -40,12 +45,14 @@ enum class Pass { kUpdate, kReduce, kApply };
 struct OptimLaunch {
   void* param[kMaxTensors];
   void* grad[kMaxTensors];
-  float* master[kMaxTensors];
+  void* master[kMaxTensors];  // the FP32 master (float), or the int16 remainder: as weight[] says, or nullptr
   float* state[kMaxStates][kMaxTensors];
   float* step[kMaxTensors];
   int64_t numel[kMaxTensors];
   WorkIndex<kMaxTensors> work;
+  uint64_t sr_offset[kMaxTensors];  // stochastic rounding: the Philox element index of element 0
   uint8_t dtype[kMaxTensors];
+  uint8_t weight[kMaxTensors];    // WeightSource
   uint8_t finishes[kMaxTensors];  // this launch holds the tensor's last chunk: its step is incremented here
 };
 
@@ -60,6 +67,8 @@ struct OptimConsts {
   float max_norm;
   const float* found_inf;
   bool write_grad;
+  bool stochastic;        // OptimArgs::rounding == kStochastic
+  uint64_t seed;
   unsigned int* counter;  // the final pass's last block increments the steps
   double* partial;        // two-pass policies: [item][sum] of this launch
 };
@@ -84,6 +93,7 @@ struct BlockConsts {
   RuntimeFlags f;
   float gmul, clip;
   float factor;  // pass 2: the tensor's factor from its sums
+  uint32_t sr_s0;  // stochastic rounding: the stream word, this step's number
 };
 
 template <class P>
@@ -105,6 +115,7 @@ __device__ __forceinline__ BlockConsts<P> block_consts(const OptimLaunch& a, con
   b.sc = P::scalars(h, StepContext{lr, static_cast<double>(taken) + 1.0, grad_norm});
   b.f = RuntimeFlags{P::flags(h)};
   b.factor = 0.f;
+  b.sr_s0 = sr_step_word(taken);
   return b;
 }
 
@@ -128,6 +139,42 @@ __device__ __forceinline__ float element(float& p, float* s, float graw, const B
   }
 }
 
+// The random bits of elements idx .. idx + 3 of stream (s0, kStreamOptim) (core/philox.h: eight elements per
+// block): one block when the four lie in one, else two; the bits picked with constant indices (registers,
+// no local memory).
+__device__ __forceinline__ void sr_words4(uint64_t seed, uint64_t idx, uint32_t s0, uint32_t* w) {
+  const Philox4 a = philox_block(seed, idx >> 3, s0, kStreamOptim);
+  const int lead = static_cast<int>(idx & 7u);
+  if (lead <= 4) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      uint32_t r = philox_bits(a, 0);
+#pragma unroll
+      for (int k = 1; k < 8; ++k) r = lead + e == k ? philox_bits(a, k) : r;
+      w[e] = r;
+    }
+    return;
+  }
+  const Philox4 b = philox_block(seed, (idx >> 3) + 1, s0, kStreamOptim);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    uint32_t r = philox_bits(a, 5);
+#pragma unroll
+    for (int k = 6; k < 12; ++k) r = lead + e == k ? (k < 8 ? philox_bits(a, k) : philox_bits(b, k - 8)) : r;
+    w[e] = r;
+  }
+}
+
+// A 16-bit param's bits from its FP32 result: round to nearest, or stochastically with word r.
+template <DType D>
+__device__ __forceinline__ typename Storage<D>::type store_param(float x, bool sr, uint32_t r) {
+  if constexpr (D == DType::kFloat32) {
+    return x;
+  } else {
+    return sr ? float_to_bits_sr<D>(x, r) : Storage<D>::store(x);
+  }
+}
+
 template <class P, DType D, Pass kPass>
 __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, int64_t begin, int64_t n,
                                               const OptimConsts& c, const BlockConsts<P>& b, float* acc) {
@@ -138,12 +185,18 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   constexpr bool kWriteState = kPass != Pass::kApply;
   T* param = static_cast<T*>(a.param[slot]) + begin;
   T* grad = static_cast<T*>(a.grad[slot]) + begin;
-  float* master = a.master[slot] ? a.master[slot] + begin : nullptr;
+  const WeightSource ws = static_cast<WeightSource>(a.weight[slot]);
+  float* master = ws == WeightSource::kMaster ? static_cast<float*>(a.master[slot]) + begin : nullptr;
+  // remainders: BF16 only (the bindings check it)
+  int16_t* rem = D == DType::kBFloat16 && ws == WeightSource::kRemainder ? static_cast<int16_t*>(a.master[slot]) + begin
+                                                                          : nullptr;
+  const bool sr = D != DType::kFloat32 && kWriteParam && c.stochastic && !rem;
+  const uint64_t first = a.sr_offset[slot] + static_cast<uint64_t>(begin);  // element 0's Philox index
   const bool write_grad = kReadGrad && c.write_grad;
   float* st[kMaxStates];
   const auto aligned = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; };
   bool vec = aligned(param, sizeof(T) * kVec) && (!kReadGrad || aligned(grad, sizeof(T) * kVec)) &&
-             (!master || aligned(master, 16));
+             (!master || aligned(master, 16)) && (!rem || aligned(rem, sizeof(int16_t) * kVec));
 #pragma unroll
   for (int k = 0; k < kMaxStates; ++k) {
     st[k] = a.state[k][slot] ? a.state[k][slot] + begin : nullptr;  // absent states stay zero in registers
@@ -156,12 +209,19 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       Pack<T, kVec> gv = {};
       if (kReadGrad) gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
       Pack<float, kVec> pv, sv[kMaxStates] = {};
+      Pack<int16_t, kVec> rv;
       if (master) {
         pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
       } else {
         const Pack<T, kVec> raw = *reinterpret_cast<const Pack<T, kVec>*>(param + i);
+        if constexpr (D == DType::kBFloat16) {
+          if (rem) rv = *reinterpret_cast<const Pack<int16_t, kVec>*>(rem + i);
+        }
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) pv.v[e] = S::load(raw.v[e]);
+        for (int e = 0; e < kVec; ++e) {
+          if constexpr (D == DType::kBFloat16) pv.v[e] = rem ? join_master(raw.v[e], rv.v[e]) : S::load(raw.v[e]);
+          else pv.v[e] = S::load(raw.v[e]);
+        }
       }
 #pragma unroll
       for (int k = 0; k < kMaxStates; ++k)
@@ -179,8 +239,21 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       if (write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
       if (kWriteParam) {
         Pack<T, kVec> out;
+        uint32_t words[kVec] = {};
+        if (sr) sr_words4(c.seed, first + static_cast<uint64_t>(i), b.sr_s0, words);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) out.v[e] = S::store(pv.v[e]);
+        for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D>(pv.v[e], sr, words[e]);
+        if constexpr (D == DType::kBFloat16) {
+          if (rem) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              const uint32_t u = float_as_bits(pv.v[e]);
+              out.v[e] = split_master_hi(u);
+              rv.v[e] = split_master_lo(u, out.v[e]);
+            }
+            *reinterpret_cast<Pack<int16_t, kVec>*>(rem + i) = rv;
+          }
+        }
         *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
         if (master) *reinterpret_cast<Pack<float, kVec>*>(master + i) = pv;
       }
@@ -193,6 +266,9 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   }
   for (int64_t i = head + threadIdx.x; i < n; i += kThreads) {
     float p = master ? master[i] : S::load(param[i]);
+    if constexpr (D == DType::kBFloat16) {
+      if (rem) p = join_master(param[i], rem[i]);
+    }
     float s[kMaxStates];
 #pragma unroll
     for (int k = 0; k < kMaxStates; ++k) s[k] = st[k] ? st[k][i] : 0.f;
@@ -205,7 +281,15 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     }
     if (kWriteParam) {
       if (master) master[i] = p;
-      param[i] = S::store(p);
+      const uint32_t r = sr ? philox_word(c.seed, first + static_cast<uint64_t>(i), b.sr_s0, kStreamOptim) : 0u;
+      param[i] = store_param<D>(p, sr, r);
+      if constexpr (D == DType::kBFloat16) {
+        if (rem) {
+          const uint32_t u = float_as_bits(p);
+          param[i] = split_master_hi(u);
+          rem[i] = split_master_lo(u, param[i]);
+        }
+      }
     }
   }
 }
@@ -292,6 +376,8 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
   consts.max_norm = a.max_norm;
   consts.found_inf = a.found_inf;
   consts.write_grad = a.write_grad;
+  consts.stochastic = a.rounding == Rounding::kStochastic;
+  consts.seed = a.seed;
   bool any_step = false;
   for (int64_t t = 0; t < a.num_tensors; ++t) any_step = any_step || a.tensors[t].step != nullptr;
   consts.counter = any_step ? a.counter : nullptr;  // no steps to count (Lion, SGD without momentum)
@@ -317,7 +403,11 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
       const OptimTensor& t = a.tensors[launch.tensors[s]];
       args.param[s] = t.param;
       args.grad[s] = t.grad;
-      args.master[s] = t.master;
+      args.master[s] = t.remainder ? static_cast<void*>(t.remainder) : static_cast<void*>(t.master);
+      args.weight[s] = static_cast<uint8_t>(t.remainder ? WeightSource::kRemainder
+                                            : t.master  ? WeightSource::kMaster
+                                                        : WeightSource::kParam);
+      args.sr_offset[s] = t.sr_offset;
       for (int k = 0; k < kMaxStates; ++k) args.state[k][s] = t.state[k];
       args.step[s] = t.step;
       args.numel[s] = t.numel;

@@ -23,6 +23,8 @@ from .. import _ops
 from .._layout import is_dense, like, same_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MASTER_WEIGHTS = (None, True, False, "remainder")
+ROUNDINGS = ("nearest", "stochastic")
 _POLICY_STATES = {name: tuple(spec["states"]) for name, spec in _ops.optim_policies().items()}
 
 
@@ -89,6 +91,41 @@ def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = Fa
         raise ValueError(f"betas must be either both floats or both Tensors{where}")
 
 
+def check_precision(group: dict, where: str = "") -> None:
+    """The precision keys of a param group (or of an optimizer's defaults), in one place: ``master_weights``
+    (None, True, False or "remainder"), ``rounding`` ("nearest" or "stochastic") and ``seed`` (None or an
+    int in [0, 2**64)); a ValueError naming the key otherwise, and for rounding="stochastic" with
+    master_weights="remainder" (that param is the master rounded to nearest: see FusedOptimizer)."""
+    mw = group.get("master_weights")
+    if not any(mw is v for v in (None, True, False)) and not (isinstance(mw, str) and mw == "remainder"):
+        raise ValueError(f"Invalid master_weights: expected None, True, False or 'remainder', got {mw!r}{where}")
+    rounding = group.get("rounding", "nearest")
+    if not (isinstance(rounding, str) and rounding in ROUNDINGS):
+        raise ValueError(f"Invalid rounding: expected 'nearest' or 'stochastic', got {rounding!r}{where}")
+    seed = group.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= int(seed) < 2**64):
+        raise ValueError(f"Invalid seed: expected None or an int in [0, 2**64), got {seed!r}{where}")
+    if rounding == "stochastic" and mw == "remainder":
+        raise ValueError("Invalid rounding: rounding='stochastic' cannot be combined with master_weights='remainder' "
+                         f"(the param is then the high half of its master, rounded to nearest){where}")
+
+
+def check_remainder_dtype(group: dict, where: str, i: int, p: torch.Tensor) -> None:
+    """master_weights='remainder' keeps the low 16 bits of a BF16 param's FP32 master: other dtypes raise."""
+    if group.get("master_weights") == "remainder" and p.dtype != torch.bfloat16:
+        raise ValueError(f"Invalid master_weights: 'remainder' needs bfloat16 params (the master is the param's 16 "
+                         f"bits and 16 more), but param {i}{where} is {p.dtype}; use master_weights=True for "
+                         "float16 params (float32 params need no master)")
+
+
+def draw_seed() -> int:
+    """A 64-bit seed from torch's default CPU generator (two 32-bit draws): reproducible under
+    torch.manual_seed."""
+    lo, hi = torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist()
+    return lo | hi << 32
+
+
 def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """t on ``device`` (and in ``dtype``): asynchronous towards an accelerator (no host sync), a finished
     copy towards the CPU (a non-blocking device-to-host copy may not have landed when the CPU kernels or
@@ -128,6 +165,15 @@ def check_common_kwargs(foreach, fused, capturable, differentiable) -> None:
                                   "an in-place kernel that autograd cannot differentiate through")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def join_master(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The FP32 master of a BF16 param and its int16 remainder: bits (param << 16) + remainder, in p's
+    layout (used when a group leaves master_weights='remainder' for FP32 masters)."""
+    hi = p.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return like(bits.view(torch.float32), p, torch.float32)
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -182,8 +228,30 @@ class FusedOptimizer(Optimizer):
     A subclass sets ``_policy`` (a name in ``mpfused._ops.optim_policies()``), its state tensors keyed by
     the policy's state names, and defines ``_check_group`` (hyperparameters, torch's error texts),
     ``_init_state``/``_complete_state`` (lazy state) and ``_hyper`` (the policy's hyperparameters from a
-    group). ``master_weights``: None keeps an FP32 master copy for FP16/BF16 params (never for FP32 ones),
-    True the same, False updates low-precision params directly (the math is still FP32).
+    group).
+
+    Precision (group keys, checked by ``check_precision``):
+
+    - ``master_weights``: None keeps an FP32 master copy for FP16/BF16 params (never for FP32 ones), True
+      the same, False updates low-precision params directly (the math is still FP32). "remainder" (BF16
+      params only): ``state['master_remainder']``, an int16 tensor, holds the low 16 bits of the FP32
+      master, whose bits are ``(param bits << 16) + remainder``: the update is bit-identical to FP32
+      masters at 2 bytes per param instead of 4. The param is then the master rounded to nearest with ties
+      away from zero (not ties to even: that would leave a remainder range of 65537 values, one too many
+      for int16); a NaN master becomes the param NaN 0x7FC0 with remainder 0. The remainder starts at 0
+      (the master starts equal to the param, as an FP32 master does).
+    - ``rounding``: how an FP16/BF16 param is written from its FP32 value: "nearest" (ties to even) or
+      "stochastic": unbiased, element ``e`` of a param with the Philox word of index ``offset + e`` of
+      stream ``(step, 1)`` under ``seed``, where ``step`` is the param's step count after the step
+      (``state['step']``, kept for every param of a stochastic group, also by optimizers that need none)
+      and ``offset`` the param's start in the flat order of all params of all groups (stable across
+      save/load). It applies wherever such a param is written: the update of a param without a master,
+      and the model copy of an FP32 master (the master itself is FP32 and unaffected). FP32 params are
+      unaffected. Not with "remainder".
+    - ``seed``: an int in [0, 2**64) keying the stochastic rounding, a group key (saved in the state
+      dict's param groups). None: the first group with rounding="stochastic" draws one from torch's
+      default CPU generator (``draw_seed``; reproducible under torch.manual_seed), shared by all groups
+      of the optimizer whose seed is None.
 
     Scaling: ``step(scaling=StepScaling(...))`` is the explicit interface mpfused.GradScaler uses; torch's
     GradScaler protocol (``_step_supports_amp_scaling``: it sets ``optimizer.grad_scale`` and
@@ -199,7 +267,17 @@ class FusedOptimizer(Optimizer):
     _class_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
+        defaults.setdefault("rounding", "nearest")
+        defaults.setdefault("seed", None)
+        check_precision(defaults)
         super().__init__(params, defaults)
+
+    def _default_seed(self) -> int:
+        """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer."""
+        seed = self.__dict__.get("_mpf_seed")
+        if seed is None:
+            seed = self.__dict__["_mpf_seed"] = draw_seed()
+        return seed
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, then our checks of the new group: its hyperparameters, and no param
@@ -217,7 +295,12 @@ class FusedOptimizer(Optimizer):
                         f"optimizer contains a parameter group with duplicate parameters: param {i} of param group "
                         f"{index} is param {seen[id(p)]} again (a fused step updates each tensor once)")
                 seen[id(p)] = i
+            check_precision(group, f" (param group {index})")
+            for i, p in enumerate(group["params"]):
+                check_remainder_dtype(group, f" of param group {index}", i, p)
             self._check_group(group, f" (param group {index})")
+            if group["rounding"] == "stochastic" and group["seed"] is None:
+                group["seed"] = self._default_seed()
         except Exception:
             self.param_groups.pop(index)
             raise
@@ -229,7 +312,12 @@ class FusedOptimizer(Optimizer):
 
     # ---- state --------------------------------------------------------------------------------------
     def _wants_master(self, group: dict, p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32 and group.get("master_weights") is not False
+        mw = group.get("master_weights")
+        return p.dtype != torch.float32 and mw is not False and mw != "remainder"
+
+    @staticmethod
+    def _wants_remainder(group: dict, p: torch.Tensor) -> bool:
+        return p.dtype == torch.bfloat16 and group.get("master_weights") == "remainder"
 
     def _fp32_zeros(self, p: torch.Tensor) -> torch.Tensor:
         """FP32 zeros with p's memory layout (contiguous, channels_last, ...): the kernels read a param and
@@ -242,12 +330,26 @@ class FusedOptimizer(Optimizer):
             state = {}
         if not state:
             self._init_state(group, p, state)
-        if self._wants_master(group, p):
-            if "master_param" not in state:
-                state["master_param"] = like(p.detach(), p, torch.float32)
-        elif "master_param" in state:
-            del state["master_param"]
+        remainder = state.get("master_remainder")
+        if self._wants_remainder(group, p):
+            state.pop("master_param", None)  # the master starts from the param again (remainder 0)
+            if remainder is None:
+                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+            elif remainder.stride() != p.stride() and not same_layout(remainder, p):
+                state["master_remainder"] = like(remainder, p, torch.int16)
+        else:
+            if remainder is not None:
+                del state["master_remainder"]
+            if self._wants_master(group, p):
+                if "master_param" not in state:
+                    state["master_param"] = (join_master(p, remainder) if remainder is not None and p.dtype == torch.bfloat16
+                                             else like(p.detach(), p, torch.float32))
+            elif "master_param" in state:
+                del state["master_param"]
         self._complete_state(group, p, state)
+        if group.get("rounding") == "stochastic" and "step" not in state:
+            # the stochastic write-back's stream is the step number: counted for every policy
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         stride = p.stride()
         for key in self._state_float_keys:
             # A param whose layout changed since its state was made (model.to(memory_format=...)) gets its
@@ -318,15 +420,29 @@ class FusedOptimizer(Optimizer):
 
         # Everything is checked before anything (state included) is created or written.
         work = []
+        offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
+        stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
+        start = 0
         for gi, group in enumerate(self.param_groups):
+            check_precision(group, f" (param group {gi})")
+            remainder = group.get("master_weights") == "remainder"
             self._check_group(group, f" (param group {gi})", in_step=True)
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
                     if not self._param_ok(p):
                         self._check_param(f"param {i} of param group {gi}", p)
+                    if remainder:
+                        check_remainder_dtype(group, f" of param group {gi}", i, p)
                     params.append(p)
+                if stochastic:
+                    offsets[id(p)] = start
+                    start += p.numel()
             work.append((group, params))
+        for group in self.param_groups:  # a group switched to stochastic after it was added
+            if group.get("rounding") == "stochastic" and group.get("seed") is None:
+                group["seed"] = self._default_seed()
+        self._sr_offsets = offsets
 
         clip = scaling.clip
         if clip is None:
@@ -401,15 +517,29 @@ class FusedOptimizer(Optimizer):
             if any(t is not None for t in tensors):
                 kernel_states[name] = tensors
         steps = [s.get("step") for s in states]
+        remainders = [s.get("master_remainder") for s in states]
+        precision = {}
+        if any(r is not None for r in remainders):
+            precision["remainders"] = remainders
+        if group.get("rounding") == "stochastic":
+            precision.update(rounding="stochastic", seed=group["seed"],
+                             sr_offsets=[self._sr_offsets[id(p)] for p in params])
         _ops.optim_step_(self._policy, params, grads, [s.get("master_param") for s in states], kernel_states,
                          steps if any(t is not None for t in steps) else [], lr=lr,
                          hyper=self._hyper(group, params[0].device), counter=counter, write_grad=write_grad,
-                         **scalars)
+                         **precision, **scalars)
 
     # ---- state dict ---------------------------------------------------------------------------------
     def _load_value(self, param: torch.Tensor, key, value):
         if key == "step":
             return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(())
+        if key == "master_remainder" and isinstance(value, torch.Tensor):
+            # int16 bits, never cast through a float dtype, in the param's memory layout
+            if value.dtype != torch.int16:
+                raise ValueError(f"state 'master_remainder' must be an int16 tensor, got {value.dtype}")
+            if value.shape == param.shape and is_dense(param):
+                return like(value, param, torch.int16)
+            return value.to(device=param.device).contiguous()
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             # FP32 state stays FP32 (torch's loader would cast it to an FP16 param's dtype), in the param's
             # memory layout.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -15,8 +15,10 @@ class FusedAdam(FusedOptimizer):
     Per element, in one pass: the gradient is unscaled (when a GradScaler hands over its scale), the step
     is skipped on the device when found_inf != 0, the FP32 weight and moments are updated, and the param
     is written in its own dtype. FP16/BF16 params get an FP32 master copy in ``state['master_param']``
-    (``master_weights=None``/True) so that small updates are not lost to rounding. ``lr`` may be a float
-    or a one-element tensor (then no part of step() needs the host; capturable in a CUDA graph).
+    (``master_weights=None``/True) so that small updates are not lost to rounding; ``master_weights=
+    "remainder"`` (BF16) keeps that master in the param plus an int16 remainder, and ``rounding=
+    "stochastic"`` writes 16-bit params with unbiased stochastic rounding (see FusedOptimizer). ``lr`` may
+    be a float or a one-element tensor (then no part of step() needs the host; capturable in a CUDA graph).
     """
 
     _policy = "adam"
@@ -25,17 +27,17 @@ class FusedAdam(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None, master_weights: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False) -> None:
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 master_weights: Union[bool, str, None] = None, decoupled_weight_decay: bool = False,
+                 rounding: str = "nearest", seed: Optional[int] = None) -> None:
         check_common_kwargs(foreach, fused, capturable, differentiable)
-        if master_weights not in (None, True, False):
-            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             betas = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
-                        decoupled_weight_decay=bool(decoupled_weight_decay), master_weights=master_weights)
+                        decoupled_weight_decay=bool(decoupled_weight_decay), master_weights=master_weights,
+                        rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 

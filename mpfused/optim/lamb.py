@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -37,15 +37,15 @@ class FusedLAMB(FusedOptimizer):
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm=1.0, use_nvlamb: bool = False, *,
-                 master_weights: Optional[bool] = None) -> None:
+                 master_weights: Union[bool, str, None] = None, rounding: str = "nearest",
+                 seed: Optional[int] = None) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_common_kwargs(None, None, False, False)
-        if master_weights not in (None, True, False):
-            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=betas, eps=eps, weight_decay=weight_decay,
                         adam_w_mode=bool(adam_w_mode), grad_averaging=bool(grad_averaging),
-                        max_grad_norm=max_grad_norm, use_nvlamb=bool(use_nvlamb), master_weights=master_weights)
+                        max_grad_norm=max_grad_norm, use_nvlamb=bool(use_nvlamb), master_weights=master_weights,
+                        rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
         self.set_grad_none = bool(set_grad_none)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_lr, check_number
 
@@ -24,12 +24,12 @@ class FusedLion(FusedOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
-                 master_weights: Optional[bool] = None) -> None:
+                 master_weights: Union[bool, str, None] = None, rounding: str = "nearest",
+                 seed: Optional[int] = None) -> None:
         check_common_kwargs(foreach, fused, False, False)
-        if master_weights not in (None, True, False):
-            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize), foreach=foreach,
-                        fused=fused, master_weights=master_weights)
+                        fused=fused, master_weights=master_weights,
+                        rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import math
 
@@ -22,15 +22,15 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
-                 fused: Optional[bool] = None, master_weights: Optional[bool] = None) -> None:
+                 fused: Optional[bool] = None, master_weights: Union[bool, str, None] = None,
+                 rounding: str = "nearest", seed: Optional[int] = None) -> None:
         check_common_kwargs(foreach, fused, False, differentiable)
-        if master_weights not in (None, True, False):
-            raise ValueError(f"Invalid master_weights: expected None, True or False, got {master_weights!r}")
         if isinstance(weight_decay, torch.Tensor) and weight_decay.dim():
             weight_decay = weight_decay.squeeze()
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach,
-                        differentiable=differentiable, fused=fused, master_weights=master_weights)
+                        differentiable=differentiable, fused=fused, master_weights=master_weights,
+                        rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 

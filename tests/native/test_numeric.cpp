@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "check.h"
+#include "core/master_split.h"
 #include "core/numeric.h"
 
 using namespace mpf;
@@ -55,6 +56,34 @@ uint16_t ref_float_to_bf16(float f) {
   const double dlo = a - vlo, dhi = vhi - a;
   const uint32_t pick = dlo < dhi ? lo : dhi < dlo ? lo + 1 : ((lo & 1) ? lo + 1 : lo);
   return static_cast<uint16_t>(sign | pick);
+}
+
+// The split master's param (core/master_split.h): the BF16 value nearest to f, ties away from zero, by
+// value in double; the step past the largest finite BF16 is inf (2^128).
+uint16_t ref_bf16_ties_away(float f) {
+  const uint32_t u = float_as_bits(f);
+  const uint32_t sign = u & 0x80000000u, down = u & 0x7fff0000u;  // magnitude truncated to BF16
+  const auto value = [](uint32_t mag) { return mag >= 0x7f800000u ? std::ldexp(1.0, 128) : static_cast<double>(bits_as_float(mag)); };
+  const double a = std::fabs(static_cast<double>(f));
+  const double below = a - value(down), above = value(down + 0x10000u) - a;
+  const uint32_t mag = (below < above ? down : down + 0x10000u) >> 16;
+  return static_cast<uint16_t>((sign >> 16) | mag);
+}
+
+void check_master_split(uint32_t u) {
+  const float f = bits_as_float(u);
+  const uint16_t hi = split_master_hi(u);
+  const int16_t lo = split_master_lo(u, hi);
+  if (std::isnan(f)) {
+    CHECK(hi == 0x7fc0 && lo == 0, "split NaN %08x: %04x %d", u, hi, lo);
+    return;
+  }
+  if (std::isinf(f)) {
+    CHECK(hi == (u >> 16) && lo == 0, "split inf %08x", u);
+    return;
+  }
+  CHECK(hi == ref_bf16_ties_away(f), "split %08x: param %04x want %04x", u, hi, ref_bf16_ties_away(f));
+  CHECK(float_as_bits(join_master(hi, lo)) == u, "split %08x: (%04x << 16) + %d does not rebuild it", u, hi, lo);
 }
 
 }  // namespace
@@ -114,5 +143,10 @@ int main() {
       CHECK(float_to_bf16_bits(f) == ref_float_to_bf16(f), "bf16 tie %08x", u);
     }
   }
+  // The split master of master_weights="remainder": a strided sweep over every bit pattern, and every tie,
+  // its neighbours and the ends of each BF16 step (remainders -0x8000 and 0x7fff) for a spread of params.
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) check_master_split(static_cast<uint32_t>(u));
+  for (uint32_t h = 0; h < 0x10000u; h += 7)
+    for (uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) check_master_split((h << 16) | low);
   return native_test::finish("test_numeric");
 }

@@ -73,6 +73,13 @@ struct StepContext {
                      //   caller gave no sum of squares
 };
 
+// The Philox stream word s0 of a step's stochastic write-back (OptimArgs::rounding): the tensor's step number
+// after this step, from its step count before it (as uint32; counts beyond 2^32 - 1 saturate).
+MPF_HD uint32_t sr_step_word(float taken) {
+  const double next = static_cast<double>(taken) + 1.0;
+  return next < 4294967295.0 ? static_cast<uint32_t>(next) : 0xFFFFFFFFu;
+}
+
 // The factor that unscales the gradients: inv_scale itself, or 1 / grad_scale rounded once from double
 // (exact for the power-of-two scales of dynamic loss scaling).
 MPF_HD float unscale_factor(const float* inv_scale, const float* grad_scale) {

@@ -1,0 +1,521 @@
+"""Fewer bytes per param in the fused optimizers: ``rounding="stochastic"`` (FP16/BF16 params written with
+stochastic rounding keyed by (seed, step, element index)) and ``master_weights="remainder"`` (a BF16 param
+plus an int16 remainder holding its FP32 master exactly). Validation, the exact bits against references,
+unbiasedness, resume, thread and backend independence."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+import mpfused
+from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
+from conftest import requires_cuda
+from tolerances import SR_SIGMAS
+
+ALL = [FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion]
+LOWP = [torch.float16, torch.bfloat16]
+KW = {FusedAdam: dict(lr=1e-2), FusedAdamW: dict(lr=1e-2, weight_decay=0.1), FusedSGD: dict(lr=0.05, momentum=0.9),
+      FusedLAMB: dict(lr=1e-2), FusedLion: dict(lr=1e-3, weight_decay=0.1)}
+
+
+def bits(t):
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def u32(t):
+    """An FP32 tensor's bit patterns as int64 values in [0, 2^32)."""
+    return bits(t).to(torch.int64) & 0xFFFFFFFF
+
+
+def joined(p, rem):
+    """The FP32 master of a BF16 param and its remainder: bits (param << 16) + remainder, mod 2^32."""
+    hi = bits(p).to(torch.int64) & 0xFFFF
+    return ((hi << 16) + rem.detach().cpu().reshape(-1).to(torch.int64)) & 0xFFFFFFFF
+
+
+def ties_away_bf16(master):
+    """Reference for the remainder mode's param: the BF16 nearest to each FP32 value, ties away from zero,
+    chosen by value in float64 (the step past the largest finite BF16 being inf)."""
+    m = master.detach().cpu().reshape(-1).to(torch.float64)
+    down = (u32(master.float()) & 0x7FFF0000)  # magnitude truncated to BF16
+    def value(mag):
+        f = torch.where(mag >= 0x7F800000, torch.full_like(mag, 0), mag)
+        f = torch.where(f >= 2**31, f - 2**32, f).to(torch.int32).view(torch.float32).to(torch.float64)
+        return torch.where(mag >= 0x7F800000, torch.full_like(f, 2.0**128), f)
+    a = m.abs()
+    below, above = a - value(down), value(down + 0x10000) - a
+    mag = torch.where(below < above, down, down + 0x10000) >> 16
+    sign = (u32(master.float()) >> 31) << 15
+    return sign | mag
+
+
+def sr_reference(x, words, dtype):
+    """Stochastic rounding of FP32 ``x`` with the elements' random ``words``, from its definition: between
+    neighbours a < b (in magnitude) the value rounds up with probability f = (x - a) / (b - a), decided as
+    core/stochastic.h states it: K random bits (the top of the word) are added to the K dropped bits, and
+    the value rounds up where they carry: up where r >> (32 - K) >= 2^K - floor(f * 2^K). K = 16 for BF16
+    and on FP16's subnormal grid, 13 in FP16's normal range (its dropped bits). Finite nonzero x."""
+    xd = x.detach().cpu().reshape(-1).to(torch.float64)
+    a = xd.abs()
+    e = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a))))
+    mant = 7 if dtype == torch.bfloat16 else 10
+    emin = -126 if dtype == torch.bfloat16 else -14
+    step = torch.pow(2.0, torch.clamp(e, min=emin) - mant)
+    whole = torch.floor(a / step)
+    frac = a / step - whole  # exact: a power-of-two scaling
+    k = torch.full_like(a, 16.0)
+    if dtype == torch.float16:
+        k = torch.where(e >= emin, torch.full_like(a, 13.0), k)
+    dropped = torch.floor(frac * torch.pow(2.0, k))
+    up = (words.to(torch.float64) / torch.pow(2.0, 32 - k)).floor() >= torch.pow(2.0, k) - dropped
+    v = torch.sign(xd) * (whole + up.to(torch.float64)) * step
+    return bits(v.to(dtype))
+
+
+def words_of(seed, offset, numel, step):
+    return mpfused.random.philox_words(numel, seed, offset, stream=(step, 1))
+
+
+def set_grads(params, gen, scale=1.0):
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype)
+
+
+# ---- validation -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("kw, name", [(dict(rounding="up"), "rounding"), (dict(rounding=None), "rounding"),
+                                      (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(seed=1.5), "seed"),
+                                      (dict(seed=True), "seed"), (dict(master_weights="x"), "master_weights"),
+                                      (dict(master_weights=1), "master_weights"),
+                                      (dict(master_weights="remainder", rounding="stochastic"), "rounding")])
+def test_bad_precision_arguments_raise_naming_the_argument(cls, kw, name):
+    p = torch.nn.Parameter(torch.randn(4).bfloat16())
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        cls([p], **kw)
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_remainder_needs_bf16_params(cls, dtype):
+    p = torch.nn.Parameter(torch.randn(4).to(dtype))
+    with pytest.raises(ValueError, match="Invalid master_weights: 'remainder' needs bfloat16"):
+        cls([p], master_weights="remainder")
+    opt = cls([torch.nn.Parameter(torch.randn(3).bfloat16())], master_weights="remainder")
+    with pytest.raises(ValueError, match="master_weights"):
+        opt.add_param_group(dict(params=[p]))
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_bad_values_found_in_step_raise_before_anything_is_written(cls):
+    g = torch.Generator().manual_seed(0)
+    good = torch.nn.Parameter(torch.randn(50).bfloat16())
+    later = torch.nn.Parameter(torch.randn(60).bfloat16())
+    opt = cls([dict(params=[good]), dict(params=[later], master_weights="remainder")], **KW[cls])
+    set_grads([good, later], g)
+    before = [bits(good).clone(), bits(later).clone()]
+    later.data = later.data.half()  # the model changed dtype after construction
+    later.grad = later.grad.half()
+    with pytest.raises(ValueError, match="master_weights"):
+        opt.step()
+    opt.param_groups[1]["master_weights"] = True
+    opt.param_groups[0]["rounding"] = "up"
+    with pytest.raises(ValueError, match="Invalid rounding"):
+        opt.step()
+    opt.param_groups[0]["rounding"] = "stochastic"
+    opt.param_groups[0]["seed"] = -3
+    with pytest.raises(ValueError, match="Invalid seed"):
+        opt.step()
+    assert torch.equal(bits(good), before[0]) and len(opt.state) == 0
+
+
+def test_kernel_entry_checks_remainders():
+    p = torch.randn(8).bfloat16()
+    g = torch.randn(8).bfloat16()
+    step = torch.zeros(())
+    states = dict(exp_avg=[torch.zeros(8)], exp_avg_sq=[torch.zeros(8)])
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, decoupled=False)
+    with pytest.raises(ValueError, match=r"remainders\[0\] must be int16"):
+        mpfused._ops.optim_step_("adam", [p], [g], [], states, [step], lr=1e-3, hyper=hyper,
+                                 remainders=[torch.zeros(8)])
+    with pytest.raises(ValueError, match="a master and a remainder"):
+        mpfused._ops.optim_step_("adam", [p], [g], [torch.zeros(8)], states, [step], lr=1e-3, hyper=hyper,
+                                 remainders=[torch.zeros(8, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="bfloat16 params only"):
+        mpfused._ops.optim_step_("adam", [p.half()], [g.half()], [], states, [step], lr=1e-3, hyper=hyper,
+                                 remainders=[torch.zeros(8, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="sr_offsets is required"):
+        mpfused._ops.optim_step_("adam", [p], [g], [], states, [step], lr=1e-3, hyper=hyper, rounding="stochastic")
+    with pytest.raises(ValueError, match="Invalid rounding"):
+        mpfused._ops.optim_step_("adam", [p], [g], [], states, [step], lr=1e-3, hyper=hyper, rounding="up")
+    assert float(step) == 0.0
+
+
+# ---- the seed -------------------------------------------------------------------------------------------
+def test_seed_is_drawn_from_torch_generator_reproducibly_and_only_when_needed():
+    p = torch.nn.Parameter(torch.randn(4).half())
+    torch.manual_seed(123)
+    a = FusedAdam([p], rounding="stochastic").param_groups[0]["seed"]
+    torch.manual_seed(123)
+    b = FusedAdam([p], rounding="stochastic").param_groups[0]["seed"]
+    torch.manual_seed(124)
+    c = FusedAdam([p], rounding="stochastic").param_groups[0]["seed"]
+    assert a == b != c and 0 <= a < 2**64
+    # two groups share the drawn seed; a given seed is kept; nearest draws nothing
+    opt = FusedSGD([dict(params=[p]), dict(params=[torch.nn.Parameter(torch.randn(2).half())], seed=7)],
+                   rounding="stochastic")
+    assert opt.param_groups[1]["seed"] == 7 and opt.param_groups[0]["seed"] == opt._default_seed()
+    torch.manual_seed(5)
+    FusedAdam([p])
+    after_nearest = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(3), after_nearest)
+    assert FusedAdam([p]).param_groups[0]["seed"] is None
+    assert FusedAdam([p], rounding="stochastic").state_dict()["param_groups"][0]["seed"] is not None
+
+
+# ---- stochastic rounding: the exact bits --------------------------------------------------------------
+def sr_model(dtype, seed=0):
+    torch.manual_seed(seed)
+    # sizes that leave most params at an offset that is not a multiple of 4 (two Philox blocks per 4 words)
+    first = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (37, 1030, 5)]
+    second = [torch.nn.Parameter(torch.randn(7, 11).to(dtype))]
+    return first, second
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedSGD, FusedLion])
+def test_stochastic_write_back_matches_the_philox_reference(dtype, cls):
+    """Every step, the no-master SR run's params equal the definition of stochastic rounding applied to the
+    FP32 result of the step (taken from a copy of the optimizer that keeps an FP32 master instead), with
+    the Philox words of (seed, stream (step, 1), offset + element index), offsets in the flat order of
+    all params of all groups."""
+    first, second = sr_model(dtype)
+    params = first + second
+    opt = cls([dict(params=first), dict(params=second)], master_weights=False, rounding="stochastic", seed=2**40 + 99,
+              **KW[cls])
+    g = torch.Generator().manual_seed(1)
+    offsets = [0, 37, 1067, 1072]
+    for step in range(1, 6):
+        set_grads(params, g)
+        twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        twin = cls([dict(params=twin_params[:3]), dict(params=twin_params[3:])], master_weights=True,
+                   rounding="stochastic", seed=2**40 + 99, **KW[cls])
+        if opt.state:
+            twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # the same states and steps (copies); the
+            # master from the param
+            for group in twin.param_groups:
+                group["master_weights"] = True
+        for t, p in zip(twin_params, params):
+            t.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+        for i, (p, t) in enumerate(zip(params, twin_params)):
+            master = twin.state[t]["master_param"]
+            assert float(opt.state[p]["step"]) == step
+            want = sr_reference(master, words_of(2**40 + 99, offsets[i], p.numel(), step), dtype)
+            assert torch.equal(bits(p), want), (step, i)
+            assert torch.equal(bits(t), want), (step, i)  # the model copy of a master: the same rounding
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_stochastic_rounding_leaves_masters_and_fp32_params_alone(dtype):
+    g = torch.Generator().manual_seed(3)
+    low = [torch.nn.Parameter(torch.randn(300).to(dtype)) for _ in range(2)]
+    f32 = [torch.nn.Parameter(torch.randn(300)) for _ in range(2)]
+    runs = {}
+    for rounding in ("nearest", "stochastic"):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in low + f32]
+        opt = FusedAdamW(ps, lr=1e-2, rounding=rounding, seed=11)
+        gg = torch.Generator().manual_seed(4)
+        for _ in range(5):
+            set_grads(ps, gg)
+            opt.step()
+        runs[rounding] = (ps, opt)
+    (pn, on), (ps, os_) = runs["nearest"], runs["stochastic"]
+    for a, b in zip(pn[:2], ps[:2]):
+        assert torch.equal(bits(on.state[a]["master_param"]), bits(os_.state[b]["master_param"]))
+        m = os_.state[b]["master_param"]
+        mant = 7 if dtype == torch.bfloat16 else 10
+        spacing = torch.pow(2.0, torch.floor(torch.log2(m.abs())) - mant)
+        assert ((b.float() - m).abs() < spacing).all()  # one of the master's two neighbours
+        assert not torch.equal(bits(a), bits(b))  # and not always the nearest one
+    for a, b in zip(pn[2:], ps[2:]):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_two_params_get_different_words_and_offsets_are_stable(dtype):
+    """Two params with the same values and gradients round differently (their element indices differ);
+    a param's offset is its start in the flat order of every param of every group, grads or not."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    a, b, c = (torch.nn.Parameter(x.clone().to(dtype)) for _ in range(3))
+    opt = FusedSGD([dict(params=[a]), dict(params=[c, b])], lr=1e-3, master_weights=False, rounding="stochastic",
+                   seed=5)
+    a.grad = torch.ones_like(a)
+    b.grad = torch.ones_like(b)  # c has no grad this step: it still takes its place in the order
+    opt.step()
+    assert (bits(a) != bits(b)).float().mean() > 0.1  # the update is a fraction of a step: ~1/6 of them differ
+    fp32 = x.to(dtype).float() - 1e-3
+    assert torch.equal(bits(a), sr_reference(fp32, words_of(5, 0, 4000, 1), dtype))
+    assert torch.equal(bits(b), sr_reference(fp32, words_of(5, 8000, 4000, 1), dtype))
+    assert float(opt.state[b]["step"]) == 1.0 and c not in opt.state
+
+
+# ---- stochastic rounding: statistics --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2.0**-7), (torch.float16, 2.0**-10)])
+def test_stochastic_steps_are_unbiased_where_nearest_stalls(dtype, unit):
+    """8 params of 25000 elements at 1.0, SGD with lr 1 and gradient -unit/32: each step adds 1/32 of the
+    format's step at 1.0 (an FP32-exact value). Round-to-nearest drops every such update (the weights
+    stall at 1.0); stochastic rounding moves each element up one step with probability 1/32, independently
+    per element and per step, so after 16 steps the number of moves is Binomial(16 * 200000, 1/32)."""
+    n_params, numel, steps, p_up = 8, 25000, 16, 1 / 32
+    moved = {}
+    for rounding in ("nearest", "stochastic"):
+        ps = [torch.nn.Parameter(torch.ones(numel, dtype=dtype)) for _ in range(n_params)]
+        opt = FusedSGD(ps, lr=1.0, master_weights=False, rounding=rounding, seed=2024)
+        first_movers = None
+        for s in range(steps):
+            for p in ps:
+                p.grad = torch.full_like(p, -unit * p_up)
+            before = torch.cat([p.detach().float() for p in ps])
+            opt.step()
+            after = torch.cat([p.detach().float() for p in ps])
+            if s == 0:
+                first_movers = after > before
+            elif s == 1 and rounding == "stochastic":
+                # a new stream each step: the elements that move again are ~p_up of those that moved
+                again = (first_movers & (after > before)).sum().item()
+                assert again < 3 * first_movers.sum().item() * p_up + 30
+        moved[rounding] = torch.cat([(p.detach().float() - 1.0) / unit for p in ps])
+    assert torch.equal(moved["nearest"], torch.zeros_like(moved["nearest"]))
+    total = moved["stochastic"].sum().item()  # one step of `unit` per move (the values stay below 2.0)
+    trials = steps * n_params * numel
+    mean, sigma = trials * p_up, math.sqrt(trials * p_up * (1 - p_up))
+    # the mean movement per element against the FP32 update (steps * unit * p_up), within the binomial bound
+    n = n_params * numel
+    assert abs(total * unit / n - steps * unit * p_up) <= SR_SIGMAS * sigma * unit / n, (total, mean, sigma)
+
+
+# ---- resume -------------------------------------------------------------------------------------------
+def mlp(dtype, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 7)).to(dtype)
+
+
+def train(model, opt, data):
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+        opt.step()
+
+
+RESUME_CASES = [
+    (FusedAdamW, torch.bfloat16, dict(lr=1e-2, master_weights=False, rounding="stochastic")),
+    (FusedAdam, torch.float16, dict(lr=1e-2, master_weights=False, rounding="stochastic")),
+    (FusedSGD, torch.bfloat16, dict(lr=0.05, master_weights=False, rounding="stochastic")),  # steps kept for SR
+    (FusedSGD, torch.float16, dict(lr=0.05, momentum=0.9, master_weights=True, rounding="stochastic")),
+    (FusedAdamW, torch.bfloat16, dict(lr=1e-2, master_weights="remainder")),
+    (FusedLion, torch.bfloat16, dict(lr=1e-3, master_weights="remainder")),
+]
+
+
+@pytest.mark.parametrize("cls, dtype, kw", RESUME_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_resume_from_state_dict_is_bit_identical(cls, dtype, kw):
+    g = torch.Generator().manual_seed(9)
+    data = [(torch.randn(16, 24, generator=g), torch.randint(0, 7, (16,), generator=g)) for _ in range(12)]
+    model = mlp(dtype)
+    torch.manual_seed(77)
+    opt = cls(model.parameters(), **kw)
+    train(model, opt, data)
+    unbroken = [bits(p).clone() for p in model.parameters()]
+
+    model = mlp(dtype)
+    torch.manual_seed(77)
+    opt = cls(model.parameters(), **kw)
+    train(model, opt, data[:5])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    fresh = mlp(dtype, seed=1)  # other weights, and another seed drawn: both must come from the file
+    torch.manual_seed(78)
+    fresh_opt = cls(fresh.parameters(), **kw)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    for p in fresh.parameters():
+        st = fresh_opt.state[p]
+        if kw.get("master_weights") == "remainder":
+            assert st["master_remainder"].dtype == torch.int16
+        assert "master_param" not in st or st["master_param"].dtype == torch.float32
+    train(fresh, fresh_opt, data[5:])
+    for a, b in zip(unbroken, fresh.parameters()):
+        assert torch.equal(a, bits(b))
+
+
+# ---- threads ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [dict(master_weights=False, rounding="stochastic"),
+                                  dict(master_weights=True, rounding="stochastic"),
+                                  dict(master_weights="remainder")])
+def test_results_do_not_depend_on_the_thread_count(mode):
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            g = torch.Generator().manual_seed(2)
+            ps = [torch.nn.Parameter(torch.randn(k, generator=g).bfloat16()) for k in (300_001, 70_003, 1)]
+            opt = FusedAdamW(ps, lr=1e-3, seed=3, **mode)
+            for _ in range(3):
+                set_grads(ps, g)
+                opt.step()
+            results.append([bits(p).clone() for p in ps] + [bits(t).clone() for p in ps for t in opt.state[p].values()])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+# ---- remainder: bit-identical to FP32 masters ------------------------------------------------------------
+REMAINDER_CASES = {
+    "adam": (FusedAdam, dict(lr=1e-2, weight_decay=0.01)),
+    "adamw-amsgrad": (FusedAdamW, dict(lr=3e-3, weight_decay=0.1, amsgrad=True)),
+    "sgd-momentum": (FusedSGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "lamb": (FusedLAMB, dict(lr=1e-2)),
+    "lion": (FusedLion, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REMAINDER_CASES))
+def test_remainder_master_is_bit_identical_to_fp32_masters(device, case):
+    """40 steps with the same gradients, among them skipped steps (found_inf) and scaled steps (the kernel
+    unscales and writes the gradient it used back): the remainder run's (param << 16) + remainder equals
+    the FP32-master run's master bit for bit at every step, its param is that master rounded to nearest
+    with ties away from zero, and the written-back gradients are the same."""
+    cls, kw = REMAINDER_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=g).bfloat16() for n in (1, 33, 515, 4099)]
+    rem_ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    ref_ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    rem = cls(rem_ps, master_weights="remainder", **kw)
+    ref = cls(ref_ps, master_weights=True, **kw)
+    for step in range(40):
+        scale = 2.0 ** (step % 5)
+        gs = [(torch.randn(t.shape, generator=g) * scale).bfloat16() for t in init]
+        for a, b, gg in zip(rem_ps, ref_ps, gs):
+            a.grad, b.grad = gg.to(device), gg.clone().to(device)
+        if step % 7 == 3:  # skipped: nothing changes
+            sc = StepScaling(found_inf=torch.ones(1, device=device))
+        elif step % 3 == 1:  # unscaled in the kernel, gradient written back
+            sc = StepScaling(inv_scale=torch.full((1,), 1 / scale, device=device),
+                             found_inf=torch.zeros(1, device=device))
+        else:
+            sc = None
+        rem.step(scaling=sc)
+        ref.step(scaling=sc)
+        for a, b in zip(rem_ps, ref_ps):
+            master = ref.state[b]["master_param"]
+            remainder = rem.state[a]["master_remainder"]
+            assert remainder.dtype == torch.int16
+            assert torch.equal(joined(a, remainder), u32(master)), (case, step)
+            assert torch.equal(bits(a).to(torch.int64) & 0xFFFF, ties_away_bf16(master)), (case, step)
+            assert torch.equal(bits(a.grad), bits(b.grad))
+    moved = sum((joined(a, rem.state[a]["master_remainder"]) != u32(t.float())).sum().item()
+                for a, t in zip(rem_ps, init))
+    assert moved > 0.9 * sum(t.numel() for t in init)
+
+
+def test_remainder_is_exact_where_nearest_without_masters_stalls():
+    """Updates far below a BF16 step: the remainder accumulates them exactly, as an FP32 master would,
+    while master_weights=False with round-to-nearest drops every one."""
+    out = {}
+    for mw in ("remainder", False, True):
+        p = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+        opt = FusedSGD([p], lr=1.0, master_weights=mw)
+        for _ in range(100):
+            p.grad = torch.full_like(p, -2.0**-12)
+            opt.step()
+        st = opt.state.get(p, {})
+        out[mw] = (p.detach().clone(), st.get("master_remainder"), st.get("master_param"))
+    assert torch.equal(out[False][0].float(), torch.ones(1000))
+    expected = 1.0 + 100 * 2.0**-12  # exact in FP32
+    assert torch.equal(out[True][2], torch.full((1000,), expected))
+    assert torch.equal(joined(out["remainder"][0], out["remainder"][1]), u32(torch.full((1000,), expected)))
+    assert torch.equal(out["remainder"][0], out[True][0])  # not a tie: ties-away and ties-even agree here
+
+
+def test_remainder_state_dict_keeps_int16_and_switching_to_masters_keeps_the_master():
+    g = torch.Generator().manual_seed(8)
+    p = torch.nn.Parameter(torch.randn(2, 50, generator=g).bfloat16())
+    opt = FusedAdamW([p], lr=1e-2, master_weights="remainder")
+    for _ in range(3):
+        set_grads([p], g)
+        opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["master_remainder"].dtype == torch.int16
+    assert sd["param_groups"][0]["master_weights"] == "remainder"
+    master = joined(p, opt.state[p]["master_remainder"])
+    assert (opt.state[p]["master_remainder"] != 0).float().mean() > 0.9
+    q = torch.nn.Parameter(p.detach().clone())
+    other = FusedAdamW([q], lr=1e-2, master_weights="remainder")
+    other.load_state_dict(copy.deepcopy(sd))
+    assert other.state[q]["master_remainder"].dtype == torch.int16
+    assert torch.equal(other.state[q]["master_remainder"], opt.state[p]["master_remainder"])
+    with pytest.raises(ValueError, match="master_remainder"):
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["master_remainder"] = bad["state"][0]["master_remainder"].float()
+        FusedAdamW([q], lr=1e-2, master_weights="remainder").load_state_dict(bad)
+    # the group switches to FP32 masters: the master is rebuilt exactly from param and remainder
+    opt.param_groups[0]["master_weights"] = True
+    st = opt._state_for(opt.param_groups[0], p)
+    assert "master_remainder" not in st and st["master_param"].dtype == torch.float32
+    assert torch.equal(u32(st["master_param"]), master)
+
+
+def test_remainder_nan_and_overflow_are_handled():
+    """A NaN master becomes the param NaN 0x7FC0 with remainder 0; a master within half a BF16 step of
+    2^128 gives an inf param while the pair still holds it exactly."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    opt = FusedSGD([p], lr=1.0, master_weights="remainder")
+    p.grad = torch.tensor([float("nan"), 0.0, 0.0], dtype=torch.bfloat16)
+    opt.step()
+    r = opt.state[p]["master_remainder"]
+    assert bits(p)[0].item() == 0x7FC0 and r[0].item() == 0
+    assert torch.equal(bits(p)[1:], bits(torch.tensor([2.0, 3.0], dtype=torch.bfloat16)))
+    # the largest finite FP32 as the master: joined from (0x7F80 = inf, -1)
+    r[2] = -1
+    p.data[2] = float("inf")
+    p.grad = torch.zeros(3, dtype=torch.bfloat16)
+    opt.step()
+    assert joined(p, r)[2].item() == 0x7F7FFFFF and math.isinf(p[2].item())
+
+
+# ---- CUDA against the CPU ---------------------------------------------------------------------------------
+@requires_cuda
+@pytest.mark.parametrize("mode", [dict(master_weights=False, rounding="stochastic"),
+                                  dict(master_weights=True, rounding="stochastic"),
+                                  dict(master_weights="remainder")])
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD, FusedLAMB])
+def test_cuda_matches_cpu_bit_for_bit(cls, dtype, mode):
+    if mode.get("master_weights") == "remainder" and dtype != torch.bfloat16:
+        pytest.skip("remainders are for bfloat16 params")
+    g = torch.Generator().manual_seed(6)
+    init = [torch.randn(n, generator=g).to(dtype) for n in (1, 3, 70_001, 131_075, 4099)]
+    grads = [[torch.randn(t.shape, generator=g).to(dtype) for t in init] for _ in range(4)]
+    out = []
+    for device in ("cpu", "cuda"):
+        ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+        kw = dict(KW.get(cls, {}))
+        opt = cls(ps, seed=2**63 + 5, **kw, **mode)
+        for step_grads in grads:
+            for p, gg in zip(ps, step_grads):
+                p.grad = gg.to(device)
+            opt.step()
+        out.append([bits(p) for p in ps] + [bits(v) for p in ps for v in opt.state[p].values()])
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a, b)
