@@ -1,17 +1,14 @@
 """examples/bytes_per_param.py --quick: it runs, writes its plot and JSON, and the bytes per param it counts
 from the tensors are those of each precision mode."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "bytes_per_param", Path(__file__).resolve().parents[1] / "examples" / "bytes_per_param.py")
-example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(example)
+from example_helpers import load_example
+
+example = load_example("bytes_per_param")
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,15 @@
 """examples/fixed_point_gupta.py --quick: it runs, prints its table, writes its PNG and JSON, and every run
 trains (the test error falls from chance); the update/grid ratios it prints follow from the FP32 updates."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from example_helpers import load_example
+
 pytest.importorskip("sklearn")
 
-_spec = importlib.util.spec_from_file_location(
-    "fixed_point_gupta", Path(__file__).resolve().parents[1] / "examples" / "fixed_point_gupta.py")
-example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(example)
+example = load_example("fixed_point_gupta")
 
 
 @pytest.fixture(scope="module")
