@@ -165,7 +165,7 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     master and writes it back split (the param its round-to-nearest, ties away from zero; see
     csrc/core/master_split.h). ``rounding``: how an FP16/BF16 param is written from its FP32 result (the
     update without a master, or the copy of the master): "nearest" (even), or "stochastic": element ``e`` of
-    param ``i`` with the Philox word of index ``sr_offsets[i] + e`` of stream ``(step number, 1)`` under
+    param ``i`` with the Philox bits of index ``sr_offsets[i] + e`` of stream ``(step number, 1)`` under
     ``seed`` (an int in [0, 2^64)), the step number being that param's step count after this step (read on
     the device: ``steps[i]`` is then required for every 16-bit param without a remainder).
     Validates everything before writing anything; never syncs the host with the device."""

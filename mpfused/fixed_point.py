@@ -181,7 +181,7 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
     the products summed exactly in int64 (a value with ``fl_a + fl_b`` fractional bits), rounded ONCE
     into ``fmt_out`` with the nearest (ties down) or stochastic rule of :func:`quantize`, saturated.
     Returns the (M, N) codes of ``fmt_out`` (int16 when its wl <= 16, else int32). Stochastic rounding of
-    output (i, j) takes the word of element ``offset + i * N + j``.
+    output (i, j) takes the random bits of element ``offset + i * N + j``.
 
     The int64 sum must be exact: ``wl_a + wl_b + ceil(log2 K) <= 64`` (K products of at most
     ``2^(wl_a + wl_b - 2)`` stay within 2^62), else ValueError. Codes must be int16/int32 tensors wide

@@ -5,7 +5,7 @@ neighbours ``a < b`` of the target format becomes ``b`` with probability ``(x - 
 ``E[round(x)] = x``, which is what lets updates far smaller than a format's step accumulate (Gupta et al.,
 "Deep Learning with Limited Numerical Precision", 2015).
 
-The random bits come from Philox4x32-10 (a counter-based generator): element ``i`` uses the word of index
+The random bits come from Philox4x32-10 (a counter-based generator): element ``i`` uses the bits of index
 ``offset + i`` under ``seed``. So the result depends on nothing but (seed, offset + i, x[i]): not on
 threads, chunking, launch shape or device (CPU and CUDA give the same bits), and
 ``round_stochastic(x[k:], dt, seed=s, offset=k)`` equals ``round_stochastic(x, dt, seed=s)[k:]``.

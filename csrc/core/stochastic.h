@@ -36,31 +36,28 @@ MPF_HD uint16_t float_to_bf16_bits_sr(float f, uint32_t r) {
   return static_cast<uint16_t>(select_bits((u & 0x7fffffffu) > 0x7f800000u, 0x7FC0u, rounded));
 }
 
-// The FP16 value x rounds to, as an FP32 (exactly representable in FP16, or inf, or NaN): the CPU narrows
-// blocks of these with its vector conversion, which is exact on them. Integer operations only, so that
-// the CPU loops vectorise.
-MPF_HD float f16_sr_value(float f, uint32_t r) {
+// Integer operations only, with no FP16 conversion at the end: the CPU loops vectorise it whole.
+MPF_HD uint16_t float_to_f16_bits_sr(float f, uint32_t r) {
   const uint32_t u = float_as_bits(f);
   const uint32_t a = u & 0x7fffffffu;
   // FP16's normal range (|x| >= 2^-14): FP16 keeps 10 of FP32's 23 mantissa bits. Adding 13 random bits
-  // to the 13 dropped ones carries into the kept part with probability dropped / 2^13, exactly; a carry
-  // out of the largest binade lands on 2^16, which FP16 cannot hold: inf.
-  const uint32_t normal = (a + (r >> 19)) & 0xFFFFE000u;
-  // Subnormal range: |x| in units of 2^-40 (16 bits below FP16's subnormal step 2^-24; truncated), plus
-  // 16 random bits, then the whole steps: code 1024 is 2^-14, the smallest normal.
-  uint32_t e = a >> 23;
-  e = e < 1u ? 1u : e;
-  e = e > 112u ? 112u : e;  // only |x| < 2^-14 uses this value; the clamp keeps every shift defined
-  const uint32_t m = (a & 0x7fffffu) | (a >= 0x00800000u ? 0x00800000u : 0u);
-  const uint32_t rshift = 110u - (e < 110u ? e : 110u);
-  const uint32_t n40 = e > 110u ? m << (e - 110u) : m >> (rshift < 31u ? rshift : 31u);
-  const uint32_t code = (n40 + (r >> 16)) >> 16;
-  const float sub = static_cast<float>(static_cast<int32_t>(code)) * 0x1p-24f;
-  const uint32_t mag = select_bits(a >= 0x38800000u, normal, float_as_bits(sub));
-  return bits_as_float(select_bits(a >= 0x7f800000u, u, (u & 0x80000000u) | mag));  // inf and NaN: x itself
+  // to the 13 dropped ones carries into the kept part with probability dropped / 2^13, exactly; then the
+  // exponent is rebiased (127 -> 15). A carry out of the largest binade lands on 2^16, which FP16 cannot
+  // hold, and so does every |x| >= 2^16: inf (0x7C00, the clamp), inf itself included.
+  const uint32_t t = (a + (r >> 19)) & 0xFFFFE000u;
+  uint32_t normal = (t >> 13) - (112u << 10);  // wraps for |x| < 2^-14, where it is not used
+  normal = normal < 0x7C00u ? normal : 0x7C00u;
+  // Subnormal range: |x| in units of 2^-40 (16 bits below FP16's subnormal step 2^-24; truncated: the
+  // scaling is exact and the conversion truncates), plus 16 random bits, then the whole steps, which are
+  // the FP16 bit pattern itself (1024 = 0x400 is 2^-14, the smallest normal). The clamp to 2^-14 is on the
+  // bit pattern (an integer compare vectorises where a float one does not) and keeps the conversion in range.
+  const uint32_t as = a < 0x38800000u ? a : 0x38800000u;
+  const uint32_t n40 = static_cast<uint32_t>(static_cast<int32_t>(bits_as_float(as) * 0x1p40f));
+  const uint32_t sub = (n40 + (r >> 16)) >> 16;
+  uint32_t mag = select_bits(a >= 0x38800000u, normal, sub);
+  mag = select_bits(a > 0x7f800000u, 0x7E00u, mag);  // NaN: the quiet NaN of float_to_f16_bits
+  return static_cast<uint16_t>(((u >> 16) & 0x8000u) | mag);
 }
-
-MPF_HD uint16_t float_to_f16_bits_sr(float f, uint32_t r) { return float_to_f16_bits(f16_sr_value(f, r)); }
 
 template <DType D>
 MPF_HD uint16_t float_to_bits_sr(float f, uint32_t r) {

@@ -241,7 +241,7 @@ class FusedOptimizer(Optimizer):
       for int16); a NaN master becomes the param NaN 0x7FC0 with remainder 0. The remainder starts at 0
       (the master starts equal to the param, as an FP32 master does).
     - ``rounding``: how an FP16/BF16 param is written from its FP32 value: "nearest" (ties to even) or
-      "stochastic": unbiased, element ``e`` of a param with the Philox word of index ``offset + e`` of
+      "stochastic": unbiased, element ``e`` of a param with the Philox bits of index ``offset + e`` of
       stream ``(step, 1)`` under ``seed``, where ``step`` is the param's step count after the step
       (``state['step']``, kept for every param of a stochastic group, also by optimizers that need none)
       and ``offset`` the param's start in the flat order of all params of all groups (stable across
