@@ -29,6 +29,9 @@ ALL = lambda sm: True  # noqa: E731
 RULES: list[tuple[str, str, str, object]] = [
     (r"overflow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     (r"optim_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
+    # Stochastic rounding: eight FP32 values in (two 128-bit loads), eight 16-bit results out (one store).
+    (r"round_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
+    (r"round_kernel", "128-bit global stores", r"\bSTG\.E\.128\b", ALL),
     # Tensor-core MMAs that accumulate in FP32 (HMMA.1688.F32 on sm_75, HMMA.16816.F32 on sm_80+).
     (r"gemm_kernel<__half,", "HMMA with F32 accumulation", r"\bHMMA\.\d+\.F32\b", ALL),
     (r"gemm_kernel<__nv_bfloat16,", "HMMA BF16 with F32 accumulation", r"\bHMMA\.\d+\.F32\.BF16\b",

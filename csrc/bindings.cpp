@@ -212,7 +212,7 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     const bool rounds_sr = stochastic && d != DType::kFloat32 && !t.remainder;
     if (!sr_offsets.empty()) {
       t.sr_offset = sr_offsets[i];
-      if (t.sr_offset > UINT64_MAX - static_cast<uint64_t>(t.numel))
+      if (t.numel > 0 && t.sr_offset > UINT64_MAX - static_cast<uint64_t>(t.numel - 1))  // the last index fits
         fail("sr_offsets" + idx + " + the param's numel must be at most 2**64, got " + std::to_string(t.sr_offset));
     } else if (rounds_sr) {
       fail("sr_offsets is required with rounding='stochastic' (the Philox index of each param's first element)");

@@ -99,7 +99,7 @@ struct OptimArgs {
                                //   block instead of a separate launch; one stream at a time
   Rounding rounding;           // how an FP16/BF16 param is written from its FP32 result (the update without
                                //   a master, or the copy of the master): kStochastic rounds element e of a
-                               //   tensor with the Philox word of index sr_offset + e of stream (step,
+                               //   tensor with the random bits of index sr_offset + e of stream (step,
                                //   kStreamOptim) under `seed`, step = the tensor's step count after this
                                //   step (its step tensor is then required). A remainder param always rounds
                                //   to nearest (core/master_split.h).
@@ -156,8 +156,9 @@ void gemm_epilogue_cpu(const float* acc, const GemmArgs& args, int num_threads);
 void widen_operand_cpu(const MatrixRef& src, int64_t batch, int64_t rows, int64_t cols, float* dst, int num_threads);
 
 // ---- random bits and stochastic rounding (core/philox.h, core/stochastic.h) ------------------------
-// Element i of a call takes the Philox word of index offset + i in stream (s0, s1) under seed, so a
-// result depends only on (seed, stream, offset + i), never on threads, chunking or device.
+// Element i of a call takes the random bits (core/philox.h: 16, the top half of a uint32) of index
+// offset + i in stream (s0, s1) under seed, so a result depends only on (seed, stream, offset + i), never
+// on threads, chunking or device.
 struct RandomArgs {
   uint64_t seed;
   uint64_t offset;  // the index of element 0 (offset + numel <= 2^64)
@@ -167,14 +168,14 @@ struct RandomArgs {
 
 // The generator itself: out[4 i .. 4 i + 3] = Philox4x32-10 of counter ctr[4 i .. 4 i + 3], key (k0, k1).
 void philox_raw_cpu(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1);
-// words[i] = the word of element i (uint32).
+// words[i] = the random bits of element i (16, in the top half of the uint32).
 void philox_words_cpu(const RandomArgs& r, uint32_t* words, int num_threads);
-// dst[i] = src[i] (FP32) rounded stochastically to dst_dtype (FP16 or BF16) with the word of element i.
+// dst[i] = src[i] (FP32) rounded stochastically to dst_dtype (FP16 or BF16) with the bits of element i.
 void round_stochastic_cpu(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, int num_threads);
 
 // ---- fixed point <IL, FL> (core/fixed_point.h): Convert and the MACC -------------------------------
 // dst[i] = Convert(src[i], fmt): the code (dst_type int16/int32: it must hold WL bits) or the value on the
-// grid (float32, exact when WL <= 24; float64). Stochastic rounding takes the Philox word of element
+// grid (float32, exact when WL <= 24; float64). Stochastic rounding takes the random bits of element
 // offset + i of stream (kStreamRound, 0) under seed, as round_stochastic does.
 struct FixedQuantizeArgs {
   const void* src;
@@ -189,7 +190,7 @@ struct FixedQuantizeArgs {
 
 // out (m, n) = the codes of fmt_out of a (m, k) @ b (k, n), a and b codes (row-major, contiguous): the
 // products summed exactly in int64 (fixed_macc_fits holds), rounded once (fixed_round_shift), saturated.
-// Stochastic rounding of output element (i, j) takes the word of element offset + i * n + j.
+// Stochastic rounding of output element (i, j) takes the random bits of element offset + i * n + j.
 struct FixedMatmulArgs {
   const void* a;
   FixedType a_type;  // kInt16 or kInt32

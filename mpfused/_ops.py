@@ -272,7 +272,8 @@ def philox_words(numel: int, seed: int, offset: int = 0, stream: tuple = (0, 0),
         raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     seed = check_u64(seed, "seed")
     offset = check_u64(offset, "offset", numel=numel)
-    if not (isinstance(stream, tuple) and len(stream) == 2 and all(isinstance(s, int) and 0 <= s < 2**32 for s in stream)):
+    if not (isinstance(stream, tuple) and len(stream) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in stream)):
         raise ValueError(f"stream must be a pair of ints in [0, 2**32), got {stream!r}")
     words = _C.philox_words(numel, seed, offset, stream[0], stream[1], torch.device(device))
     return words.to(torch.int64) & 0xFFFFFFFF
@@ -284,9 +285,14 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     int64 values in [0, 2^32), on the counters' device. For known-answer tests of both backends."""
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(counters, dtype=torch.int64)
-    if counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex():
+    if (counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex()
+            or counters.dtype == torch.bool):
         raise ValueError(f"counters must be (n, 4) integer words, got {counters.dtype} of shape {tuple(counters.shape)}")
-    if not (isinstance(key, (tuple, list)) and len(key) == 2 and all(isinstance(k, int) and 0 <= k < 2**32 for k in key)):
+    if counters.dtype != torch.int32 and counters.numel() and (  # int32: taken as the words' bit patterns
+            bool((counters < 0).any()) or bool((counters.to(torch.int64) >= 2**32).any())):
+        raise ValueError("counters must be words in [0, 2**32) (or an int32 tensor of their bit patterns)")
+    if not (isinstance(key, (tuple, list)) and len(key) == 2
+            and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in key)):
         raise ValueError(f"key must be a pair of ints in [0, 2**32), got {key!r}")
     as_i32 = (counters.to(torch.int64) & 0xFFFFFFFF)
     as_i32 = torch.where(as_i32 >= 2**31, as_i32 - 2**32, as_i32).to(torch.int32)

@@ -339,10 +339,15 @@ class FixedPointSGD(torch.optim.Optimizer):
         seed = _ops.check_u64(seed, "seed")
         super().__init__(params, dict(lr=float(lr), fmt=(fmt.il, fmt.fl), rounding=rounding, seed=seed,
                                       momentum=float(momentum)))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.float32:
-                    raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group (which the constructor calls too), then: float32 params only, the group
+        removed again when one is not."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.dtype != torch.float32:
+                self.param_groups.pop()
+                raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -186,7 +186,9 @@ def test_cuda_gives_the_cpu_bits(dtype):
     x = torch.cat([torch.randn(1 << 20) * 10.0 ** e for e in range(-9, 6)])
     x[::1001] = math.inf
     x[5::1001] = -1e38
-    for offset, sl in ((0, slice(None)), (5, slice(5, None)), (3, slice(3, -3))):
+    for offset, sl in ((0, slice(None)), (5, slice(5, None)), (3, slice(3, -3)), (0, slice(0, -3)),
+                       (8, slice(8, None))):  # unaligned starts; the aligned path with a ragged tail; and
+                                             # an aligned start past element 0
         cpu = round_stochastic(x[sl], dtype, seed=2**63 + 5, offset=offset)
         gpu = round_stochastic(x[sl].cuda(), dtype, seed=2**63 + 5, offset=offset)
         assert torch.equal(bits(gpu).cpu(), bits(cpu))
@@ -205,27 +207,32 @@ def test_out_argument(device):
 
 def test_bad_input_raises_before_anything_is_written():
     x = torch.randn(16)
-    out = torch.zeros(16, dtype=torch.float16)
-    cases = [
-        (dict(x=x.double(), dtype=torch.float16, seed=0), ValueError, "x must be a float32"),
-        (dict(x=x, dtype=torch.float32, seed=0), ValueError, "dtype must be torch.float16 or torch.bfloat16"),
-        (dict(x=x, dtype="float16", seed=0), TypeError, "dtype"),
-        (dict(x=x.tolist(), dtype=torch.float16, seed=0), TypeError, "x must be"),
-        (dict(x=x, dtype=torch.float16, seed=-1), ValueError, "seed must be in"),
-        (dict(x=x, dtype=torch.float16, seed=2**64), ValueError, "seed must be in"),
-        (dict(x=x, dtype=torch.float16, seed=1.5), TypeError, "seed must be a Python int"),
-        (dict(x=x, dtype=torch.float16, seed=torch.tensor(3)), TypeError, "seed must be a Python int"),
-        (dict(x=x, dtype=torch.float16, seed=0, offset=2**64 - 8), ValueError, "offset \\+ numel"),
-        (dict(x=x, dtype=torch.float16, seed=0, offset=-1), ValueError, "offset must be in"),
-        (dict(x=x, dtype=torch.float16, seed=0, out=torch.zeros(16, dtype=torch.bfloat16)), ValueError, "out must be"),
-        (dict(x=x, dtype=torch.float16, seed=0, out=torch.zeros(15, dtype=torch.float16)), ValueError, "out must be"),
-        (dict(x=x, dtype=torch.float16, seed=0, out=torch.zeros(32, dtype=torch.float16)[::2]), ValueError, "contiguous"),
+    sentinel = lambda dtype, n=16: torch.full((n,), 7.0).to(dtype)  # noqa: E731
+    good_out = sentinel(torch.float16)
+    cases = [  # (kwargs, the out tensor passed (checked unchanged) or None, exception, message)
+        (dict(x=x.double(), dtype=torch.float16, seed=0, out=good_out), good_out, ValueError, "x must be a float32"),
+        (dict(x=x, dtype=torch.float32, seed=0), None, ValueError, "dtype must be torch.float16 or torch.bfloat16"),
+        (dict(x=x, dtype="float16", seed=0), None, TypeError, "dtype"),
+        (dict(x=x.tolist(), dtype=torch.float16, seed=0), None, TypeError, "x must be"),
+        (dict(x=x, dtype=torch.float16, seed=-1, out=good_out), good_out, ValueError, "seed must be in"),
+        (dict(x=x, dtype=torch.float16, seed=2**64, out=good_out), good_out, ValueError, "seed must be in"),
+        (dict(x=x, dtype=torch.float16, seed=1.5), None, TypeError, "seed must be a Python int"),
+        (dict(x=x, dtype=torch.float16, seed=torch.tensor(3)), None, TypeError, "seed must be a Python int"),
+        (dict(x=x, dtype=torch.float16, seed=0, offset=2**64 - 15, out=good_out), good_out, ValueError,
+         "offset \\+ numel"),
+        (dict(x=x, dtype=torch.float16, seed=0, offset=-1), None, ValueError, "offset must be in"),
     ]
-    for kwargs, exc, msg in cases:
-        before = out.clone()
+    for dtype, n, msg in ((torch.bfloat16, 16, "out must be"), (torch.float16, 15, "out must be")):
+        bad = sentinel(dtype, n)
+        cases.append((dict(x=x, dtype=torch.float16, seed=0, out=bad), bad, ValueError, msg))
+    strided = sentinel(torch.float16, 32)
+    cases.append((dict(x=x, dtype=torch.float16, seed=0, out=strided[::2]), strided, ValueError, "contiguous"))
+    for kwargs, target, exc, msg in cases:
+        before = None if target is None else target.clone()
         with pytest.raises(exc, match=msg):
             round_stochastic(**kwargs)
-        assert torch.equal(out, before)
+        if target is not None:
+            assert torch.equal(target.view(torch.int16), before.view(torch.int16)), msg
     shared = torch.zeros(32)  # out inside x's memory
     with pytest.raises(ValueError, match="overlap"):
         round_stochastic(shared[8:], torch.float16, seed=0, out=shared[:12].view(torch.float16))
@@ -235,6 +242,18 @@ def test_bad_input_raises_before_anything_is_written():
         philox_words(4, 0, stream=(2**32, 0))
     with pytest.raises(ValueError, match="key must be"):
         philox4x32_10([[0, 0, 0, 0]], (0, -1))
+
+
+def test_the_last_index_of_a_stream_is_usable(device):
+    # offset + numel == 2^64: the last element takes index 2^64 - 1; one more is an error.
+    x = torch.full((5,), 1.0 + 2.0**-12, device=device)
+    y = round_stochastic(x, torch.float16, seed=1, offset=2**64 - 5)
+    words = philox_words(5, 1, 2**64 - 5, device=device)
+    assert words.cpu().tolist() == reference_words(5, 1, 2**64 - 5)
+    up = (words.cpu() >> 19) >= 2**13 - 2**11  # x = 1 + 2^-12: 2^11 in FP16's 13 dropped bits
+    assert y.cpu().float().tolist() == [1.0 + 2.0**-10 if u else 1.0 for u in up.tolist()]
+    with pytest.raises(ValueError, match="offset"):
+        round_stochastic(x, torch.float16, seed=1, offset=2**64 - 4)
 
 
 def test_empty_and_top_level_export():

@@ -1,5 +1,5 @@
 // CPU backend of fixed point <IL, FL> (core/fixed_point.h): Convert over spans of whole buffers of random
-// words, and the MACC parallel over output rows. Every element's random word depends only on its index,
+// bits, and the MACC parallel over output rows. Every element's random bits depend only on its index,
 // and the sums are exact integers, so results are the same for every thread count and CPU path.
 #include <cstdint>
 

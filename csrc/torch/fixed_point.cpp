@@ -20,7 +20,7 @@ mpf::Rounding rounding_of(bool stochastic) { return stochastic ? mpf::Rounding::
 
 // offset + numel <= 2^64: the element indices of one stream.
 void check_offset(uint64_t offset, int64_t numel) {
-  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel))
+  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel - 1))  // the last index fits
     fail("offset + numel must be at most 2^64 (the element indices of one stream), got offset " +
          std::to_string(offset) + " with " + std::to_string(numel) + " elements");
 }

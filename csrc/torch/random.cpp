@@ -7,7 +7,7 @@ namespace mpf_torch {
 namespace {
 
 mpf::RandomArgs random_args(int64_t numel, uint64_t seed, uint64_t offset, uint32_t s0, uint32_t s1) {
-  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel))
+  if (numel > 0 && offset > UINT64_MAX - static_cast<uint64_t>(numel - 1))  // the last index fits
     fail("offset + numel must be at most 2^64 (the element indices of one stream), got offset " +
          std::to_string(offset) + " with " + std::to_string(numel) + " elements");
   return mpf::RandomArgs{seed, offset, s0, s1, numel};

@@ -74,10 +74,12 @@ struct StepContext {
 };
 
 // The Philox stream word s0 of a step's stochastic write-back (OptimArgs::rounding): the tensor's step number
-// after this step, from its step count before it (as uint32; counts beyond 2^32 - 1 saturate).
+// after this step, from its step count before it (as uint32; counts beyond 2^32 - 1 saturate, and a count
+// below zero, which only an edited state could hold, reads as 0: a conversion out of range would differ
+// between the host and the GPU).
 MPF_HD uint32_t sr_step_word(float taken) {
   const double next = static_cast<double>(taken) + 1.0;
-  return next < 4294967295.0 ? static_cast<uint32_t>(next) : 0xFFFFFFFFu;
+  return next >= 4294967295.0 ? 0xFFFFFFFFu : next > 0.0 ? static_cast<uint32_t>(next) : 0u;
 }
 
 // The factor that unscales the gradients: inv_scale itself, or 1 / grad_scale rounded once from double
