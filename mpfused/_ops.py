@@ -1,4 +1,12 @@
-"""Typed wrappers over the native extension. The only Python module that touches ``mpfused._C``.
+"""Typed wrappers over the native kernels: the only Python that calls them.
+
+The kernels are torch operators, ``torch.ops.mpfused.*``, registered by the native extension (one family
+per file under csrc/torch/, each with its schema, mutations marked, and its CPU and CUDA kernels; those
+kernels validate every tensor argument before anything is written). This module adds what torch needs
+around them in Python: fake (meta) kernels, so that torch.compile and FakeTensor can propagate shapes
+without running anything, and the GEMM's autograd formula. The wrappers below only turn Python values
+into schema types (lists, optional per-param tensors, 64-bit unsigned ints) and say which Python type
+was expected where one is wrong; every other check is the operator's.
 
 Loading checks first that the installed torch is the one the extension was compiled against: torch's
 C++ ABI changes between releases, and a mismatch would otherwise surface as an obscure
@@ -41,8 +49,9 @@ def _load_native():
         raise
 
 
-_C = _load_native()
+_C = _load_native()  # loading it registers the operators (torch.ops.mpfused.*)
 _C.build_info()  # a bad MPFUSED_CPU_ISA raises its ValueError here, at import, not in a kernel
+ops = torch.ops.mpfused
 
 
 def build_info() -> dict:
@@ -74,9 +83,26 @@ def _tensor_list(tensors, name: str) -> list:
     except TypeError:
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}") from None
     for i, t in enumerate(out):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        _plain(t, f"{name}[{i}]")
     return out
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t, name: str, optional: bool = False):
+    """``t`` itself when it is a plain tensor (or None where ``optional``). A tensor subclass that intercepts
+    operators (DTensor, wrapper subclasses) would take the kernels' operators through its own dispatch:
+    refused here with a TypeError naming the argument."""
+    if t is None and optional:
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}")
+    if type(t) not in _PLAIN_TYPES:
+        raise TypeError(f"{name} is a tensor subclass ({type(t).__name__}) that overrides __torch_dispatch__ (such as "
+                        "DTensor); mpfused's kernels take plain dense tensors. Pass its local data (for DTensor: "
+                        ".to_local()).")
+    return t
 
 
 def non_finite_check_(
@@ -111,8 +137,16 @@ def non_finite_check_(
     of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
     Never synchronises the host with the device.
     """
-    _C.non_finite_check_(_tensor_list(tensors, "tensors"), found_inf, inv_scale, bool(unscale), sumsq,
-                         bool(overwrite), norm, counter)
+    tensors = _tensor_list(tensors, "tensors")
+    found_inf = _plain(found_inf, "found_inf")
+    inv_scale, sumsq, norm, counter = (_plain(t, n, optional=True) for t, n in (
+        (inv_scale, "inv_scale"), (sumsq, "sumsq"), (norm, "norm"), (counter, "counter")))
+    if unscale:
+        if inv_scale is None:
+            raise ValueError("unscale=True needs inv_scale (a float32 tensor with one element)")
+        ops.unscale_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
+    else:
+        ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
 
 
 def _lr_args(lr):
@@ -181,15 +215,46 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
         raise ValueError(f"unknown states for {policy!r}: {sorted(unknown)} (expected some of {spec['states']})")
     if rounding not in _ROUNDINGS:
         raise ValueError(f"Invalid rounding: {rounding!r} (expected 'nearest' or 'stochastic')")
-    seed = check_u64(seed, "seed")
-    sr_offsets = [check_u64(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
+    seed = u64_arg(seed, "seed")
+    sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
     values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
     tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
-    _C.optim_step_(policy, params, grads, masters, list(remainders), [states.get(n, ()) for n in spec["states"]],
-                   steps, lr_value, lr_tensor, values, tensors if any(t is not None for t in tensors) else [],
-                   inv_scale, grad_scale, clip_sumsq, float(max_norm), found_inf, counter, bool(write_grad), rounding,
-                   seed, sr_offsets)
+    params = _tensor_list(params, "params")
+    grads = _tensor_list(grads, "grads")
+    n = len(params)
+    masters, master_index = _indexed(masters, "masters", n)
+    remainders, remainder_index = _indexed(remainders, "remainders", n)
+    steps, step_index = _indexed(steps, "steps", n)
+    state_tensors, state_index = [], []
+    for name in spec["states"]:
+        given, index = _indexed(states.get(name, ()), name, n)
+        state_index += [-1 if i < 0 else i + len(state_tensors) for i in index] if index else [-1] * n
+        state_tensors += given
+    if not state_tensors:
+        state_index = []
+    ops.optim_step_(policy, params, grads, masters, master_index, remainders, remainder_index, state_tensors,
+                    state_index, steps, step_index, lr_value, lr_tensor, values,
+                    tensors if any(t is not None for t in tensors) else [], inv_scale, grad_scale, clip_sumsq,
+                    float(max_norm), found_inf, counter, bool(write_grad), rounding, seed, sr_offsets)
+
+
+def _indexed(tensors, name: str, n: int) -> tuple:
+    """An optional per-param list (empty, or one tensor or None per param) as the operator takes it: the
+    tensors given, and per param its position among them or -1 (both empty when none is given)."""
+    tensors = list(tensors)
+    if not tensors:
+        return [], []
+    if len(tensors) != n:
+        raise ValueError(f"{name} must be empty or have one entry per param ({n}), got {len(tensors)}")
+    given, index = [], []
+    for i, t in enumerate(tensors):
+        if t is None:
+            index.append(-1)
+        else:
+            index.append(len(given))
+            given.append(_plain(t, f"{name}[{i}]"))
+    return given, index
 
 
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,
@@ -200,14 +265,10 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
     incremented when ``found_inf != 0``), each of one element (0-d is fine). ``inv_scale`` (optional) is
     refreshed to 1/scale. ``min_scale``/``max_scale`` None: no clamp (torch's rule). One tiny launch on
     CUDA; no host sync."""
-    _C.loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale,
+    ops.loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale,
                           float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
                           0.0 if min_scale is None else float(min_scale),
                           float("inf") if max_scale is None else float(max_scale), bool(dynamic))
-
-
-_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _number(x, name: str) -> float:
@@ -217,30 +278,26 @@ def _number(x, name: str) -> float:
     return float(x)
 
 
-def _optional_tensor(t, name: str):
-    if t is not None and not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    return t
-
-
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
          alpha: float = 1.0, beta: float = 0.0, c: Optional[torch.Tensor] = None,
          out_dtype: Optional[torch.dtype] = None, return_pre_activation: bool = False):
     """``act(alpha * a @ b + beta * c + bias)`` from FP16/BF16 ``a`` and ``b`` with FP32 accumulation, as a
-    new tensor (see :func:`mpfused.functional.gemm` for the full contract). With
+    new tensor (see :func:`mpfused.functional.gemm` for the full contract); differentiable. With
     ``return_pre_activation``: ``(out, pre)``, ``pre`` being the value before the activation in the
-    output dtype (``out`` itself when there is no activation). Not differentiable; validates every
-    argument before anything is allocated or launched."""
-    for t, name in ((a, "a"), (b, "b")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if activation is not None and not (isinstance(activation, str) and activation in _ACTIVATIONS):
-        raise ValueError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got {activation!r}")
-    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {out_dtype!r}")
-    out, pre = _C.gemm(a, b, _optional_tensor(bias, "bias"), activation, _number(alpha, "alpha"),
-                       _number(beta, "beta"), _optional_tensor(c, "c"), out_dtype, bool(return_pre_activation))
-    return (out, pre) if return_pre_activation else out
+    output dtype (``out`` itself when there is no activation). The operator validates every argument
+    before anything is allocated or launched."""
+    a, b = _plain(a, "a"), _plain(b, "b")
+    bias, c = _plain(bias, "bias", optional=True), _plain(c, "c", optional=True)
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got "
+                        f"{type(activation).__name__} {activation!r}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be None or a torch.dtype, got {type(out_dtype).__name__} {out_dtype!r}")
+    alpha, beta = _number(alpha, "alpha"), _number(beta, "beta")
+    if return_pre_activation and activation is not None:
+        return ops.gemm_with_pre(a, b, bias, activation, alpha, beta, c, out_dtype)
+    out = ops.gemm(a, b, bias, activation, alpha, beta, c, out_dtype)
+    return (out, out) if return_pre_activation else out
 
 
 # ---- random bits and stochastic rounding (csrc/core/philox.h, csrc/core/stochastic.h) ---------------
@@ -261,6 +318,13 @@ def check_u64(value, name: str, *, numel: int = 0) -> int:
     return v
 
 
+def u64_arg(value, name: str, *, numel: int = 0) -> int:
+    """``check_u64(value, name, numel=numel)`` as the operators' ``int`` (int64) takes it: the same 64 bits,
+    two's complement (csrc/torch/common.h u64_of maps it back)."""
+    v = check_u64(value, name, numel=numel)
+    return v - _U64 if v >= 1 << 63 else v
+
+
 def philox_words(numel: int, seed: int, offset: int = 0, stream: tuple = (0, 0),
                  device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """The random bits of elements ``offset .. offset + numel - 1`` of ``stream`` under ``seed``, as the
@@ -275,7 +339,8 @@ def philox_words(numel: int, seed: int, offset: int = 0, stream: tuple = (0, 0),
     if not (isinstance(stream, tuple) and len(stream) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in stream)):
         raise ValueError(f"stream must be a pair of ints in [0, 2**32), got {stream!r}")
-    words = _C.philox_words(numel, seed, offset, stream[0], stream[1], torch.device(device))
+    words = torch.empty(numel, dtype=torch.int32, device=device)
+    ops.philox_words_(u64_arg(seed, "seed"), u64_arg(offset, "offset"), stream[0], stream[1], words)
     return words.to(torch.int64) & 0xFFFFFFFF
 
 
@@ -296,20 +361,23 @@ def philox4x32_10(counters, key) -> torch.Tensor:
         raise ValueError(f"key must be a pair of ints in [0, 2**32), got {key!r}")
     as_i32 = (counters.to(torch.int64) & 0xFFFFFFFF)
     as_i32 = torch.where(as_i32 >= 2**31, as_i32 - 2**32, as_i32).to(torch.int32)
-    return _C.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
+    return ops.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
 
 
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a float32 tensor, got {type(x).__name__}")
+    x = _plain(x, "x")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {type(dtype).__name__} {dtype!r}")
-    if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
-    seed = check_u64(seed, "seed")
-    offset = check_u64(offset, "offset", numel=x.numel())
-    return _C.round_stochastic(x, dtype, seed, offset, out)
+    out = _plain(out, "out", optional=True)
+    seed = u64_arg(seed, "seed")
+    offset = u64_arg(offset, "offset", numel=x.numel())
+    if out is None:
+        return ops.round_stochastic(x, dtype, seed, offset)
+    if out.dtype != dtype:
+        raise ValueError(f"out must be a {dtype} tensor (the dtype argument), got {out.dtype}")
+    ops.round_stochastic_out_(x, seed, offset, out)
+    return out
 
 
 # ---- fixed point <IL, FL> (csrc/core/fixed_point.h) ---------------------------------------------------
@@ -317,11 +385,173 @@ def fixed_point_quantize(x: torch.Tensor, il: int, fl: int, stochastic: bool, se
                          out_dtype: torch.dtype) -> torch.Tensor:
     """Convert(x, <il, fl>) as int16/int32 codes or float32/float64 values (see mpfused.fixed_point);
     arguments already validated by the caller, checked again natively."""
-    return _C.fixed_point_quantize(x, il, fl, bool(stochastic), seed, offset, out_dtype)
+    return ops.fixed_point_quantize(x, il, fl, bool(stochastic), u64_arg(seed, "seed"), u64_arg(offset, "offset"),
+                                    out_dtype)
 
 
 def fixed_point_matmul(a: torch.Tensor, b: torch.Tensor, fmt_a: tuple, fmt_b: tuple, fmt_out: tuple,
                        stochastic: bool, seed: int, offset: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The fixed-point MACC on codes (see mpfused.fixed_point.matmul); formats as (il, fl) pairs."""
-    return _C.fixed_point_matmul(a, b, fmt_a[0], fmt_a[1], fmt_b[0], fmt_b[1], fmt_out[0], fmt_out[1],
-                                 bool(stochastic), seed, offset, out_dtype)
+    return ops.fixed_point_matmul(a, b, fmt_a[0], fmt_a[1], fmt_b[0], fmt_b[1], fmt_out[0], fmt_out[1],
+                                  bool(stochastic), u64_arg(seed, "seed"), u64_arg(offset, "offset"), out_dtype)
+
+
+# ---- fake (meta) kernels: shapes and dtypes only, for torch.compile and FakeTensor ------------------------
+# The dispatcher sends a call here when any tensor is on the meta device (or fake): then the real kernel,
+# whose checks would refuse a meta tensor mixed with real ones, never runs, so the one check that cannot
+# wait is made here: every tensor on one device.
+def _one_device(op: str, args) -> None:
+    names = [a.name for a in getattr(torch.ops.mpfused, op).default._schema.arguments]
+    first = None
+    for i, a in enumerate(args):
+        items = enumerate(a) if isinstance(a, (list, tuple)) else ((None, a),)
+        for j, t in items:
+            if not isinstance(t, torch.Tensor):
+                continue
+            name = names[i] if j is None else f"{names[i]}[{j}]"
+            if first is None:
+                first = (name, t.device)
+            elif t.device != first[1]:
+                raise ValueError(f"{name} is on {t.device} but {first[0]} is on {first[1]}; all tensors of "
+                                 f"mpfused.{op} must be on one device")
+
+
+def _positional(op: str, args: tuple, kwargs: dict) -> tuple:
+    if not kwargs:
+        return args
+    schema = getattr(torch.ops.mpfused, op).default._schema.arguments
+    return tuple(args) + tuple(kwargs[a.name] if a.name in kwargs else a.default_value for a in schema[len(args):])
+
+
+def _fake(op: str):
+    def register(fn):
+        def fake(*args, **kwargs):
+            args = _positional(op, args, kwargs)
+            _one_device(op, args)
+            return fn(*args)
+        torch.library.register_fake(f"mpfused::{op}")(fake)
+        return fn
+    return register
+
+
+for _name in ("non_finite_check_", "unscale_check_", "optim_step_", "loss_scale_update_", "philox_words_",
+              "round_stochastic_out_"):
+    _fake(_name)(lambda *args: None)
+
+
+def _gemm_shape(a: torch.Tensor, b: torch.Tensor) -> list:
+    if a.dim() == 3 or b.dim() == 3:
+        return [a.shape[0] if a.dim() == 3 else b.shape[0], a.shape[-2], b.shape[-1]]
+    return [a.shape[-2], b.shape[-1]]
+
+
+@_fake("gemm")
+def _gemm_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
+    return a.new_empty(_gemm_shape(a, b), dtype=out_dtype or a.dtype)
+
+
+@_fake("gemm_with_pre")
+def _gemm_with_pre_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
+    shape = _gemm_shape(a, b)
+    return a.new_empty(shape, dtype=out_dtype or a.dtype), a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+@_fake("philox4x32_10")
+def _philox_fake(counters, k0, k1):
+    return torch.empty_like(counters, memory_format=torch.contiguous_format)
+
+
+@_fake("round_stochastic")
+def _round_stochastic_fake(x, dtype, seed, offset):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@_fake("fixed_point_quantize")
+def _fixed_point_quantize_fake(x, il, fl, stochastic, seed, offset, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@_fake("fixed_point_matmul")
+def _fixed_point_matmul_fake(a, b, il_a, fl_a, il_b, fl_b, il_out, fl_out, stochastic, seed, offset, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+# ---- the GEMM's autograd ----------------------------------------------------------------------------------
+_GELU_APPROXIMATE = {"gelu": "tanh", "gelu_erf": "none"}
+
+
+def _gemm_setup(ctx, inputs, output) -> None:
+    a, b, bias, activation, alpha, beta, c, out_dtype = inputs
+    saved_out = output[0] if isinstance(output, tuple) else output
+    # What the activation's backward reads: ReLU its output; GELU the value before it (gemm_with_pre returns
+    # it; gemm recomputes it in the backward, without the activation).
+    if activation == "relu":
+        act_input = saved_out
+    elif activation in _GELU_APPROXIMATE and isinstance(output, tuple):
+        act_input = output[1]
+    else:
+        act_input = None
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    recompute = activation in _GELU_APPROXIMATE and act_input is None
+    ctx.save_for_backward(a if need_b or recompute else None, b if need_a or recompute else None, act_input,
+                          bias if recompute else None, c if recompute else None)
+    ctx.activation, ctx.alpha, ctx.beta, ctx.out_dtype = activation, alpha, beta, out_dtype
+    ctx.recompute = recompute
+    ctx.a_dtype, ctx.a_dim, ctx.b_dim = a.dtype, a.dim(), b.dim()
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.c_info = None if c is None else (c.dtype, c.dim())
+
+
+def _reduce_batch(t: torch.Tensor, dim: int) -> torch.Tensor:
+    # A 2-D operand shared by every batch of a batched product: its gradient sums over the batch (in FP32).
+    return t.sum(0) if t.dim() == 3 and dim == 2 else t
+
+
+def _matmul_grad(x: torch.Tensor, y: torch.Tensor, alpha: float, dtype: torch.dtype, x_dim_target: int) -> torch.Tensor:
+    """alpha * x @ y as the gradient of an operand of ``dtype``: on mpfused's GEMM (FP32 accumulation) when x
+    and y are that dtype, else in FP32 through torch; summed over a batch the operand does not have."""
+    batched_to_2d = x.dim() == 3 or y.dim() == 3
+    batched_to_2d = batched_to_2d and x_dim_target == 2
+    if x.dtype == dtype and y.dtype == dtype and dtype in (torch.float16, torch.bfloat16):
+        if batched_to_2d:
+            return ops.gemm(x, y, None, None, alpha, 0.0, None, torch.float32).sum(0).to(dtype)
+        return ops.gemm(x, y, None, None, alpha, 0.0, None, dtype)
+    r = torch.matmul(x.float(), y.float()) * alpha
+    return (r.sum(0) if batched_to_2d and r.dim() == 3 else r).to(dtype)
+
+
+def _gemm_backward(ctx, grad, grad_pre=None):
+    a, b, act_input, bias, c = ctx.saved_tensors
+    act = ctx.activation
+    if ctx.recompute:  # gemm (one output) with a GELU: the value before it, computed again
+        act_input = ops.gemm(a, b, bias, None, ctx.alpha, ctx.beta, c, ctx.out_dtype)
+    if act == "relu":
+        grad = torch.ops.aten.threshold_backward(grad, act_input, 0)
+    elif act in _GELU_APPROXIMATE:
+        grad = torch.ops.aten.gelu_backward(grad, act_input, approximate=_GELU_APPROXIMATE[act])
+    if grad_pre is not None:
+        grad = grad + grad_pre
+    grad_a = grad_b = grad_bias = grad_c = None
+    if ctx.needs_input_grad[0]:  # alpha * grad @ b^T
+        grad_a = _matmul_grad(grad, b.transpose(-1, -2), ctx.alpha, ctx.a_dtype, ctx.a_dim)
+    if ctx.needs_input_grad[1]:  # alpha * a^T @ grad, computed as (grad^T @ a)^T: a transposed view, no copy
+        if ctx.b_dim == 2 and a.dim() == 3:  # b shared by every batch: one product over all the rows
+            g2, a2 = grad.reshape(-1, grad.shape[-1]), a.reshape(-1, a.shape[-1])
+            grad_b = _matmul_grad(g2.t(), a2, ctx.alpha, ctx.a_dtype, 2).t()
+        else:
+            grad_b = _matmul_grad(grad.transpose(-1, -2), a, ctx.alpha, ctx.a_dtype, ctx.b_dim).transpose(-1, -2)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    if ctx.c_info is not None and ctx.needs_input_grad[6] and ctx.beta != 0.0:
+        c_dtype, c_dim = ctx.c_info
+        gc = grad.float() * ctx.beta
+        grad_c = _reduce_batch(gc, c_dim).to(c_dtype)
+    return grad_a, grad_b, grad_bias, None, None, None, grad_c, None
+
+
+def _gemm_with_pre_backward(ctx, grad, grad_pre):
+    return _gemm_backward(ctx, grad, grad_pre)
+
+
+torch.library.register_autograd("mpfused::gemm", _gemm_backward, setup_context=_gemm_setup)
+torch.library.register_autograd("mpfused::gemm_with_pre", _gemm_with_pre_backward, setup_context=_gemm_setup)

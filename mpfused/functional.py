@@ -55,13 +55,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
     launched. CUDA tensors need a build of mpfused with CUDA
     kernels; BF16 on CUDA needs sm_80 or newer.
 
-    Not differentiable (there is no autograd formula: for training use :class:`mpfused.nn.FusedLinear`);
-    calling it with grad mode on and an input that requires grad raises rather than silently dropping the
-    gradient. Never synchronises the host with the device.
+    Differentiable in every input but ``out_dtype`` and the numbers: the backward runs on the same GEMM
+    where the gradient has the operands' dtype (``alpha * grad @ b^T``, ``alpha * a^T @ grad``, each
+    accumulated in FP32 and rounded once), and in FP32 otherwise; the bias gradient is an FP32 sum. With a
+    GELU the backward computes the value before it again (one more GEMM; ``mpfused.nn.FusedLinear`` keeps
+    it from the forward instead). Never synchronises the host with the device; traced by torch.compile
+    without a graph break (it is the operator ``torch.ops.mpfused.gemm``).
     """
-    if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, bias, c)):
-        raise RuntimeError(
-            "mpfused.gemm has no autograd formula and would silently drop the gradient of an input that requires "
-            "grad: use mpfused.nn.FusedLinear for training, or call gemm under torch.no_grad()")
     return _ops.gemm(a, b, bias, activation, alpha, beta, c, out_dtype)

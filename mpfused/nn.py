@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn import init
 
@@ -30,45 +29,20 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     return y
 
 
-class _FusedLinearFunction(torch.autograd.Function):
+def _fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  activation: Optional[str]) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` for 2-D ``x``, with ``x``, ``weight`` and ``bias`` of one FP16/BF16 dtype.
 
-    Forward: one GEMM with the bias and the activation in its epilogue; the value before a GELU is kept
-    for the backward (ReLU's backward needs only the output). Backward: the activation's backward (torch's
-    own ``gelu_backward`` / ``threshold_backward``), then ``grad_input = grad_pre @ weight`` and
-    ``grad_weight = grad_pre.T @ x`` on the same GEMM (``grad_pre.T`` is a transposed view, read without a
-    copy), and ``grad_bias`` as an FP32 sum over the rows. Only the gradients autograd asks for are
-    computed."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation):
-        keep_pre = activation in _GELU_APPROXIMATE
-        out, pre = _ops.gemm(x, weight.t(), bias, activation, return_pre_activation=True)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.activation = activation
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None,
-                              pre if keep_pre else out if activation == "relu" else None)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, weight, saved = ctx.saved_tensors
-        act = ctx.activation
-        if act == "relu":
-            grad = torch.ops.aten.threshold_backward(grad, saved, 0)  # saved: the output, > 0 where pre > 0
-        elif act in _GELU_APPROXIMATE:
-            grad = torch.ops.aten.gelu_backward(grad, saved, approximate=_GELU_APPROXIMATE[act])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _ops.gemm(grad, weight)  # (rows, out) @ (out, in)
-        if ctx.needs_input_grad[1]:
-            grad_w = _ops.gemm(grad.t(), x)  # (out, rows) @ (rows, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+    Forward: one GEMM (torch.ops.mpfused.gemm) with the bias and the activation in its epilogue; for a GELU
+    the operator that also returns the value before it (gemm_with_pre), which the backward reads (ReLU's
+    backward needs only the output). Backward: the operators' autograd formula (mpfused/_ops.py): the
+    activation's backward (torch's ``gelu_backward`` / ``threshold_backward``), then ``grad_input = grad_pre
+    @ weight`` and ``grad_weight = grad_pre.T @ x`` on the same GEMM (``grad_pre.T`` is a transposed view,
+    read without a copy), and ``grad_bias`` as an FP32 sum over the rows. Only the gradients autograd asks
+    for are computed. Operators all the way, so torch.compile traces it without a graph break."""
+    if activation in _GELU_APPROXIMATE:
+        return _ops.ops.gemm_with_pre(x, weight.t(), bias, activation, 1.0, 0.0, None, None)[0]
+    return _ops.ops.gemm(x, weight.t(), bias, activation, 1.0, 0.0, None, None)
 
 
 class FusedLinear(nn.Module):
@@ -90,8 +64,8 @@ class FusedLinear(nn.Module):
       weight and bias are cast to that dtype (as autocast casts them for ``F.linear``; the gradients flow
       back through the casts to FP32 weights), and the fused GEMM runs with autocast disabled inside.
     - Input, weight and bias all FP16, or all BF16, on a CPU or CUDA device: the fused GEMM (forward, and
-      backward through a ``torch.autograd.Function``: the activation's backward, then ``grad_input`` and
-      ``grad_weight`` on the same GEMM, ``grad_bias`` as an FP32 sum). Outputs and gradients are in that
+      backward through the GEMM operator's autograd formula: the activation's backward, then
+      ``grad_input`` and ``grad_weight`` on the same GEMM, ``grad_bias`` as an FP32 sum). Outputs and gradients are in that
       dtype, as with ``nn.Linear`` on FP16/BF16 weights; every product is accumulated in FP32.
     - Anything else, FP32 in particular: ``F.linear`` followed by the activation, exactly what
       ``nn.Linear`` + the activation compute. mpfused's GEMM is a low-precision GEMM; FP32 (and FP64)
@@ -151,7 +125,7 @@ class FusedLinear(nn.Module):
                                f"got an input of shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2d = x.reshape(math.prod(lead), self.in_features)
-        out = _FusedLinearFunction.apply(x2d, weight, bias, self.activation)
+        out = _fused_linear(x2d, weight, bias, self.activation)
         return out.reshape(*lead, self.out_features)
 
 

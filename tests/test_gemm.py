@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 import mpfused
 from mpfused import _ops
-from mpfused._ops import _C
 from conftest import requires_cuda
-from tolerances import GELU_TOL, GEMM_ERROR_FACTOR
+from tolerances import GELU_TOL, GEMM_ERROR_FACTOR, LINEAR_REL_TOL
 
 LOW = [torch.float16, torch.bfloat16]
 OUT_DTYPES = [None, torch.float16, torch.bfloat16, torch.float32]
@@ -309,12 +308,12 @@ def bad_cases(device):
         (dict(bias=torch.ones(5, device=device)), "bias must be 1-D with 6 elements"),
         (dict(bias=torch.ones(1, 6, device=device)), "bias must be 1-D with 6 elements"),
         (dict(bias=torch.ones(6, dtype=torch.int64, device=device)), "bias must be a float32, float16 or bfloat16"),
-        (dict(bias=torch.ones(6, device="meta")), "bias must be on"),
+        (dict(bias=torch.ones(6, device="meta")), "bias is on meta but a is on"),  # the fake kernel's device check
         (dict(c=torch.ones(4, 5, device=device), beta=1.0), "c must have the output's shape"),
         (dict(c=torch.ones(2, 4, 6, device=device), beta=1.0), "c must have the output's shape"),
         (dict(a=a3, c=torch.ones(3, 4, 6, device=device), beta=1.0), "c must have the output's shape"),
         (dict(c=torch.ones(4, 6, dtype=torch.int32, device=device), beta=1.0), "c must be a float32, float16"),
-        (dict(c=torch.ones(4, 6, device="meta"), beta=1.0), "c must be on"),
+        (dict(c=torch.ones(4, 6, device="meta"), beta=1.0), "c is on meta but a is on"),
         (dict(c=torch.ones(6, device=device), beta=1.0), "c must have the output's shape"),
         (dict(beta=0.5), "beta != 0 needs c"),
         (dict(alpha=float("nan")), "alpha must be a finite number"),
@@ -344,21 +343,25 @@ def test_bad_input_names_the_argument_and_writes_nothing(device, case):
         assert torch.equal(kwargs[k], v), f"{k} was modified"
 
 
-def test_native_entry_validates_by_itself(device):
-    """The C++ entry point raises the same errors when called directly (the Python checks are a
-    convenience, not the validation)."""
+def test_operator_validates_by_itself(device):
+    """The operator (torch.ops.mpfused.gemm) raises the same errors when called directly: the Python
+    wrapper only checks Python types, the validation is the operator's."""
     h = dict(dtype=torch.float16, device=device)
     a, b = torch.ones(4, 5, **h), torch.ones(5, 6, **h)
     for kwargs, message in [(dict(out_dtype=torch.float64), "out_dtype must be"),
                             (dict(activation="swish"), "activation must be"),
-                            (dict(activation=7), "activation must be"),
-                            (dict(activation=True), "activation must be"),
-                            (dict(a=a.float()), "a must be a float16")]:
+                            (dict(a=a.float()), "a must be a float16"),
+                            (dict(a=a.to_sparse()), "a must be a dense"),
+                            (dict(beta=0.5), "beta != 0 needs c")]:
         args = dict(a=a, b=b)
         args.update(kwargs)
         with pytest.raises(ValueError, match=message):
-            _C.gemm(args.pop("a"), args.pop("b"), **args)
-    assert torch.equal(_C.gemm(a, b, activation=1)[0], _C.gemm(a, b, activation="relu")[0])
+            torch.ops.mpfused.gemm(args.pop("a"), args.pop("b"), **args)
+    for activation in (7, True):  # the schema's str? refuses other types before the kernel runs
+        with pytest.raises(RuntimeError, match="activation"):
+            torch.ops.mpfused.gemm(a, b, activation=activation)
+    with pytest.raises(TypeError, match="activation must be None"):
+        mpfused.gemm(a, b, activation=1)
 
 
 def test_wrong_argument_types(device):
@@ -374,13 +377,60 @@ def test_wrong_argument_types(device):
         mpfused.gemm(a, b, None)  # keyword-only epilogue arguments
 
 
-def test_refuses_inputs_that_require_grad():
+def _grad_cases():
+    # (a shape, b shape, bias, c shape, activation, alpha, beta, out_dtype)
+    return [
+        ((6, 8), (8, 5), True, None, None, 1.0, 0.0, None),
+        ((6, 8), (8, 5), True, None, "relu", 1.0, 0.0, None),
+        ((6, 8), (8, 5), False, (6, 5), "gelu", 0.5, 2.0, None),
+        ((6, 8), (8, 5), True, None, "gelu_erf", 1.0, 0.0, torch.float32),
+        ((3, 6, 8), (8, 5), True, (6, 5), None, 1.5, -1.0, None),  # b and c shared by every batch
+        ((6, 8), (3, 8, 5), False, (3, 6, 5), "relu", 1.0, 1.0, None),  # a shared
+        ((3, 6, 8), (3, 8, 5), True, None, "gelu", 1.0, 0.0, torch.float32),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(_grad_cases())))
+def test_gradients_match_float64_autograd(device, dtype, case):
+    """mpfused.gemm is differentiable (the operator's autograd formula, mpfused/_ops.py): its gradients for
+    a, b, bias and c match float64 autograd of the same formula on the same low-precision values to a few
+    roundings of the dtype (LINEAR_REL_TOL, relative to the largest reference value)."""
+    a_shape, b_shape, has_bias, c_shape, act, alpha, beta, out_dtype = _grad_cases()[case]
+    g = torch.Generator().manual_seed(case)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    a, b = make(*a_shape), make(*b_shape)
+    bias = make(b_shape[-1]) if has_bias else None
+    c = make(*c_shape) if c_shape else None
+    leaves = [t for t in (a, b, bias, c) if t is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    out = mpfused.gemm(a, b, bias=bias, activation=act, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
+    seed = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
+    grads = torch.autograd.grad(out, leaves, seed)
+
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ra, rb = ref_leaves[0], ref_leaves[1]
+    rest = iter(ref_leaves[2:])
+    rbias = next(rest) if bias is not None else None
+    rc = next(rest) if c is not None else None
+    y = alpha * torch.matmul(ra, rb) + (beta * rc if rc is not None else 0) + (rbias if rbias is not None else 0)
+    y = {None: y, "relu": torch.relu(y), "gelu": torch.nn.functional.gelu(y, approximate="tanh"),
+         "gelu_erf": torch.nn.functional.gelu(y)}[act]
+    ref = torch.autograd.grad(y, ref_leaves, seed.double())
+    tol = LINEAR_REL_TOL[dtype]
+    for name, got, want, leaf in zip("a b bias c".split(), grads, ref, leaves):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape, name
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(want.abs().max().item(), 1.0), f"grad of {name}: error {err}"
+
+
+def test_no_grad_gives_no_graph():
     a = torch.ones(4, 5, dtype=torch.float16, requires_grad=True)
     b = torch.ones(5, 6, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        mpfused.gemm(a, b)
     with torch.no_grad():
         assert mpfused.gemm(a, b).requires_grad is False
+    assert mpfused.gemm(a, b).requires_grad is True
 
 
 def test_runs_in_fp32_under_autocast(device):

@@ -435,13 +435,13 @@ def test_kernel_entry_validates_shapes_devices_and_state():
     bad = [
         (dict(grads=[torch.randn(5)]), r"grads\[0\] must have its param's shape"),
         (dict(grads=[torch.randn(6).half()]), r"grads\[0\] must have its param's dtype"),
-        (dict(grads=[torch.randn(6, device="meta")]), r"grads\[0\] must be on its param's device"),
+        (dict(grads=[torch.randn(6, device="meta")]), r"grads\[0\] is on meta but params\[0\] is on"),
         (dict(exp_avgs=[torch.zeros(6).half()]), r"exp_avg\[0\] must be float32"),
         (dict(exp_avgs=[torch.zeros(5)]), r"exp_avg\[0\] must have its param's shape"),
         (dict(exp_avg_sqs=[]), r"exp_avg_sq\[0\] is required"),
         (dict(steps=[]), r"steps\[0\] is required"),
         (dict(steps=[torch.zeros(2)]), r"steps\[0\] must be a float32 tensor with one element"),
-        (dict(masters=[torch.zeros(6, device="meta")]), r"masters\[0\] must be on cpu"),
+        (dict(masters=[torch.zeros(6, device="meta")]), r"masters\[0\] is on meta but params\[0\] is on"),
         (dict(found_inf=torch.zeros(1).half()), r"found_inf must be a float32"),
         (dict(beta1=float("nan")), r"invalid beta1"),
         (dict(params=[torch.randn(6, 2)[:, 0]], grads=[torch.randn(6)]), r"params\[0\] must be dense"),
@@ -449,7 +449,7 @@ def test_kernel_entry_validates_shapes_devices_and_state():
         (dict(exp_avgs=[torch.zeros(6, 2)[:, 0]]), r"exp_avg\[0\] must have its param's memory layout"),
         (dict(beta1=torch.tensor(0.9, dtype=torch.float16)), r"beta1 must be a float32 or float64 tensor"),
         (dict(beta2=torch.tensor([0.9, 0.9])), r"beta2 must be a float32 or float64 tensor with one element"),
-        (dict(beta2=torch.tensor(0.9, device="meta")), r"beta2 must be on cpu like the params"),
+        (dict(beta2=torch.tensor(0.9, device="meta")), r"hyper_tensors\[1\] is on meta but params\[0\] is on"),
         # only the hyperparameters torch lets be tensors may be: the others decide which states and steps
         # the kernel touches, which the entry must know (a tensor amsgrad or momentum crashed the process)
         (dict(eps=torch.tensor(1e-8)), r"eps must be a number, not a tensor"),

@@ -1,10 +1,14 @@
-// The torch side's shared checks and helpers: every file under csrc/torch/ and bindings.cpp validate
-// at::Tensor arguments with these, so a message reads the same whichever op raises it. Header-only,
+// The torch side's shared checks and helpers. Each file under csrc/torch/ defines one family of torch
+// operators (torch.ops.mpfused.*): it registers their schemas (TORCH_LIBRARY_FRAGMENT, mutations marked),
+// their CPU and CUDA kernels (TORCH_LIBRARY_IMPL), and validates every at::Tensor argument with these
+// helpers before anything is written, so a message reads the same whichever op raises it. The fake
+// (meta) kernels and the autograd formulas are registered in Python (mpfused/_ops.py). Header-only,
 // inline, in namespace mpf_torch.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -22,7 +26,12 @@ namespace mpf_torch {
 
 using mpf::DType;
 
-[[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+// A bad argument: a ValueError in Python (through the dispatcher as through pybind11).
+[[noreturn]] inline void fail(const std::string& msg) { TORCH_CHECK_VALUE(false, msg); }
+
+// A Python int in [0, 2^64) travels through a schema's `int` (int64) as its two's-complement bit pattern:
+// mpfused._ops.u64_arg maps it there, and this maps it back.
+inline uint64_t u64_of(int64_t v) { return static_cast<uint64_t>(v); }
 
 inline std::string describe(const at::Tensor& t) {
   std::ostringstream s;
@@ -51,7 +60,7 @@ inline DType storage_dtype(const at::Tensor& t, const std::string& name) {
 // a TypeError, before anything is written.
 inline void check_plain(const at::Tensor& t, const std::string& name) {
   if (t.key_set().has(c10::DispatchKey::Python) || (t.layout() == at::kStrided && !t.has_storage()))
-    throw pybind11::type_error(name + " is a tensor subclass that overrides __torch_dispatch__ (such as DTensor), "
+    TORCH_CHECK_TYPE(false, name + " is a tensor subclass that overrides __torch_dispatch__ (such as DTensor), "
                                "or has no storage; mpfused's kernels take plain dense tensors. Pass its local "
                                "data (for DTensor: .to_local()).");
 }
@@ -69,6 +78,16 @@ inline void check_scalar(const at::Tensor& t, const std::string& name, const at:
     fail(name + " must be a float32 tensor with one element, got a " + describe(t));
   if (t.device() != device)
     fail(name + " must be on " + device.str() + " like the tensors it goes with, got a " + describe(t));
+}
+
+// A number in [lo, hi] (or open at either end), finite.
+inline void check_hyper(double v, const char* name, double lo, bool lo_open, double hi, bool hi_open) {
+  if (!std::isfinite(v) || v < lo || (lo_open && v == lo) || v > hi || (hi_open && v == hi)) {
+    std::ostringstream s;
+    s << "invalid " << name << ": " << v << " (expected a finite value in " << (lo_open ? "(" : "[") << lo << ", " << hi
+      << (hi_open ? ")" : "]") << ")";
+    fail(s.str());
+  }
 }
 
 inline void check_backend(const at::Device& device, const std::string& name) {
@@ -109,9 +128,15 @@ inline unsigned int* counter_ptr(const std::optional<at::Tensor>& t, const std::
   return reinterpret_cast<unsigned int*>(t->data_ptr<int32_t>());
 }
 
-// The ops defined outside bindings.cpp, one file each under csrc/torch/: each adds its functions to the
-// module (bindings.cpp calls them from PYBIND11_MODULE).
-void bind_random(pybind11::module_& m);  // csrc/torch/random.cpp: round_stochastic, philox
-void bind_fixed_point(pybind11::module_& m);  // csrc/torch/fixed_point.cpp: fixed-point quantize, matmul
+// The kernels of one op run on the CPU or CUDA backend by the tensors' device, with the same checks;
+// each op file registers one function for both dispatch keys. The same function is also the op's
+// CompositeExplicitAutograd kernel, which the dispatcher picks for every other backend (sparse tensors,
+// other devices) and for a call with no tensor at all (an optimizer step over no params still checks its
+// hyperparameters): each then gets the function's own clear error (a CUDA tensor in a CPU-only build:
+// how to rebuild) instead of the dispatcher's. Meta is the Python fake kernel's (mpfused/_ops.py).
+#define MPF_TORCH_IMPL_CPU_CUDA(op, fn)                                              \
+  TORCH_LIBRARY_IMPL(mpfused, CPU, m) { m.impl(op, fn); }                            \
+  TORCH_LIBRARY_IMPL(mpfused, CUDA, m) { m.impl(op, fn); }                           \
+  TORCH_LIBRARY_IMPL(mpfused, CompositeExplicitAutograd, m) { m.impl(op, fn); }
 
 }  // namespace mpf_torch

@@ -1,4 +1,5 @@
-// The torch side of fixed point <IL, FL>: Convert (quantize/encode) and the MACC (matmul). Every argument
+// torch.ops.mpfused.fixed_point_quantize and fixed_point_matmul: fixed point <IL, FL> Convert
+// (quantize/encode) and the MACC (matmul), csrc/core/fixed_point.h. Every argument
 // is checked before anything is allocated or launched; then the CPU or CUDA backend runs.
 #include <ATen/Parallel.h>
 
@@ -35,8 +36,9 @@ bool code_type(at::ScalarType s, FixedType* t) {
 int code_bits(FixedType t) { return t == FixedType::kInt16 ? 16 : 32; }
 
 // Convert(x, <il, fl>) into a new tensor of dtype out_dtype: int16/int32 codes, or float32/float64 values.
-at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, uint64_t seed,
-                                uint64_t offset, at::ScalarType out_dtype) {
+at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed_bits,
+                                int64_t offset_bits, at::ScalarType out_dtype) {
+  const uint64_t seed = u64_of(seed_bits), offset = u64_of(offset_bits);
   check_dense(x, "x");
   check_backend(x.device(), "x");
   FixedType src_type;
@@ -89,8 +91,9 @@ void check_codes(const at::Tensor& t, const std::string& name, FixedType* type) 
 
 // The codes of fmt_out of a @ b: exact int64 sums rounded once. Formats as (il, fl) pairs.
 at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t il_a, int64_t fl_a, int64_t il_b,
-                              int64_t fl_b, int64_t il_out, int64_t fl_out, bool stochastic, uint64_t seed,
-                              uint64_t offset, at::ScalarType out_dtype) {
+                              int64_t fl_b, int64_t il_out, int64_t fl_out, bool stochastic, int64_t seed_bits,
+                              int64_t offset_bits, at::ScalarType out_dtype) {
+  const uint64_t seed = u64_of(seed_bits), offset = u64_of(offset_bits);
   FixedType a_type, b_type, out_type;
   check_codes(a, "a_codes", &a_type);
   check_codes(b, "b_codes", &b_type);
@@ -134,16 +137,15 @@ at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t 
 }
 
 }  // namespace
-
-void bind_fixed_point(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("fixed_point_quantize", &fixed_point_quantize, py::arg("x"), py::arg("il"), py::arg("fl"),
-        py::arg("stochastic"), py::arg("seed"), py::arg("offset"), py::arg("out_dtype"),
-        "Convert(x, <il, fl>) (Gupta et al. 2015): saturate, round; codes or values on the grid.");
-  m.def("fixed_point_matmul", &fixed_point_matmul, py::arg("a"), py::arg("b"), py::arg("il_a"), py::arg("fl_a"),
-        py::arg("il_b"), py::arg("fl_b"), py::arg("il_out"), py::arg("fl_out"), py::arg("stochastic"),
-        py::arg("seed"), py::arg("offset"), py::arg("out_dtype"),
-        "Fixed-point MACC: exact int64 sums of code products, rounded once into fmt_out's codes.");
-}
-
 }  // namespace mpf_torch
+
+using namespace mpf_torch;
+
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.def("fixed_point_quantize(Tensor x, int il, int fl, bool stochastic, int seed, int offset, ScalarType out_dtype) "
+        "-> Tensor");
+  m.def("fixed_point_matmul(Tensor a, Tensor b, int il_a, int fl_a, int il_b, int fl_b, int il_out, int fl_out, "
+        "bool stochastic, int seed, int offset, ScalarType out_dtype) -> Tensor");
+}
+MPF_TORCH_IMPL_CPU_CUDA("fixed_point_quantize", &fixed_point_quantize)
+MPF_TORCH_IMPL_CPU_CUDA("fixed_point_matmul", &fixed_point_matmul)

@@ -1,4 +1,6 @@
-// The torch side of the random bits and of stochastic rounding: checks, then the CPU or CUDA backend.
+// torch.ops.mpfused.philox_words_, philox4x32_10, round_stochastic and round_stochastic_out_: the random
+// bits (csrc/core/philox.h) and stochastic rounding (csrc/core/stochastic.h). Checks, then the CPU or CUDA
+// backend.
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -13,13 +15,18 @@ mpf::RandomArgs random_args(int64_t numel, uint64_t seed, uint64_t offset, uint3
   return mpf::RandomArgs{seed, offset, s0, s1, numel};
 }
 
-// The words of elements offset .. offset + numel - 1 of stream (s0, s1), as int32 bit patterns.
-at::Tensor philox_words(int64_t numel, uint64_t seed, uint64_t offset, uint32_t s0, uint32_t s1,
-                        const at::Device& device) {
-  check_backend(device, "device");
-  if (numel < 0) fail("numel must be >= 0, got " + std::to_string(numel));
-  const mpf::RandomArgs r = random_args(numel, seed, offset, s0, s1);
-  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(at::kInt).device(device));
+// The random bits of elements offset .. offset + out.numel() - 1 of stream (s0, s1), as int32 bit patterns,
+// into out (int32, contiguous; its device runs the generator).
+void philox_words_(int64_t seed, int64_t offset, int64_t s0, int64_t s1, const at::Tensor& out) {
+  check_dense(out, "out");
+  check_backend(out.device(), "out");
+  if (out.scalar_type() != at::kInt || !out.is_contiguous())
+    fail("out must be a contiguous int32 tensor, got a " + describe(out));
+  if (s0 < 0 || s0 > UINT32_MAX || s1 < 0 || s1 > UINT32_MAX)
+    fail("stream words must be in [0, 2^32), got (" + std::to_string(s0) + ", " + std::to_string(s1) + ")");
+  const at::Device device = out.device();
+  const mpf::RandomArgs r = random_args(out.numel(), u64_of(seed), u64_of(offset), static_cast<uint32_t>(s0),
+                                        static_cast<uint32_t>(s1));
   auto* words = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   if (device.is_cpu()) {
     mpf::philox_words_cpu(r, words, at::get_num_threads());
@@ -29,12 +36,13 @@ at::Tensor philox_words(int64_t numel, uint64_t seed, uint64_t offset, uint32_t 
     mpf::philox_words_cuda(r, words, c10::cuda::getCurrentCUDAStream(device.index()).stream());
 #endif
   }
-  return out;
 }
 
 // Philox4x32-10 of each row of `counters` ((n, 4) int32 bit patterns) under key (k0, k1).
-at::Tensor philox4x32_10(const at::Tensor& counters, uint32_t k0, uint32_t k1) {
+at::Tensor philox4x32_10(const at::Tensor& counters, int64_t k0, int64_t k1) {
   check_dense(counters, "counters");
+  if (k0 < 0 || k0 > UINT32_MAX || k1 < 0 || k1 > UINT32_MAX)
+    fail("key words must be in [0, 2^32), got (" + std::to_string(k0) + ", " + std::to_string(k1) + ")");
   check_backend(counters.device(), "counters");
   if (counters.scalar_type() != at::kInt || counters.dim() != 2 || counters.size(1) != 4)
     fail("counters must be an int32 tensor of shape (n, 4), got a " + describe(counters));
@@ -43,18 +51,19 @@ at::Tensor philox4x32_10(const at::Tensor& counters, uint32_t k0, uint32_t k1) {
   const auto* c = reinterpret_cast<const uint32_t*>(ctr.data_ptr<int32_t>());
   auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   if (ctr.device().is_cpu()) {
-    mpf::philox_raw_cpu(c, o, ctr.size(0), k0, k1);
+    mpf::philox_raw_cpu(c, o, ctr.size(0), static_cast<uint32_t>(k0), static_cast<uint32_t>(k1));
   } else {
 #ifdef MPFUSED_WITH_CUDA
     const c10::cuda::CUDAGuard guard(ctr.device());
-    mpf::philox_raw_cuda(c, o, ctr.size(0), k0, k1, c10::cuda::getCurrentCUDAStream(ctr.device().index()).stream());
+    mpf::philox_raw_cuda(c, o, ctr.size(0), static_cast<uint32_t>(k0), static_cast<uint32_t>(k1),
+                         c10::cuda::getCurrentCUDAStream(ctr.device().index()).stream());
 #endif
   }
   return out;
 }
 
-at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, uint64_t seed, uint64_t offset,
-                            const std::optional<at::Tensor>& out) {
+at::Tensor round_stochastic_impl(const at::Tensor& x, at::ScalarType dtype, uint64_t seed, uint64_t offset,
+                                 const std::optional<at::Tensor>& out) {
   check_dense(x, "x");
   check_backend(x.device(), "x");
   if (x.scalar_type() != at::kFloat) fail("x must be a float32 tensor, got a " + describe(x));
@@ -89,16 +98,29 @@ at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, uint64_t 
   return dst;
 }
 
-}  // namespace
-
-void bind_random(pybind11::module_& m) {
-  m.def("philox_words", &philox_words, pybind11::arg("numel"), pybind11::arg("seed"), pybind11::arg("offset"),
-        pybind11::arg("s0"), pybind11::arg("s1"), pybind11::arg("device"),
-        "Philox4x32-10 words of elements offset.. of stream (s0, s1) under seed, as int32 bit patterns.");
-  m.def("philox4x32_10", &philox4x32_10, pybind11::arg("counters"), pybind11::arg("k0"), pybind11::arg("k1"),
-        "The generator itself: Philox4x32-10 of each (n, 4) int32 counter row under key (k0, k1).");
-  m.def("round_stochastic", &round_stochastic, pybind11::arg("x"), pybind11::arg("dtype"), pybind11::arg("seed"),
-        pybind11::arg("offset"), pybind11::arg("out") = pybind11::none(), "FP32 -> FP16/BF16 with stochastic rounding keyed by (seed, offset + index).");
+at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, int64_t seed, int64_t offset) {
+  return round_stochastic_impl(x, dtype, u64_of(seed), u64_of(offset), std::nullopt);
 }
 
+void round_stochastic_out_(const at::Tensor& x, int64_t seed, int64_t offset, const at::Tensor& out) {
+  check_dense(out, "out");
+  const at::ScalarType dtype = out.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) fail("out must be a float16 or bfloat16 tensor, got a " + describe(out));
+  round_stochastic_impl(x, dtype, u64_of(seed), u64_of(offset), out);
+}
+
+}  // namespace
 }  // namespace mpf_torch
+
+using namespace mpf_torch;
+
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.def("philox_words_(int seed, int offset, int s0, int s1, Tensor(a!) out) -> ()");
+  m.def("philox4x32_10(Tensor counters, int k0, int k1) -> Tensor");
+  m.def("round_stochastic(Tensor x, ScalarType dtype, int seed, int offset) -> Tensor");
+  m.def("round_stochastic_out_(Tensor x, int seed, int offset, Tensor(a!) out) -> ()");
+}
+MPF_TORCH_IMPL_CPU_CUDA("philox_words_", &philox_words_)
+MPF_TORCH_IMPL_CPU_CUDA("philox4x32_10", &philox4x32_10)
+MPF_TORCH_IMPL_CPU_CUDA("round_stochastic", &round_stochastic)
+MPF_TORCH_IMPL_CPU_CUDA("round_stochastic_out_", &round_stochastic_out_)

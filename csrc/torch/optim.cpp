@@ -1,0 +1,346 @@
+// torch.ops.mpfused.optim_step_: one fused step of an optimizer policy (csrc/core/optim/) over one device's
+// params, with the unscale, clip and skip of a gradient scaler in the same pass. Every argument is checked
+// before the backend runs, so a call that raises has modified nothing.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "common.h"
+
+namespace mpf_torch {
+namespace {
+
+using TensorList = std::vector<at::Tensor>;
+using OptTensorList = std::vector<std::optional<at::Tensor>>;
+
+// The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its
+// elements out in memory as the param does: same shape, and the same stride in every dim of size > 1
+// (the stride of a size-1 dim never addresses memory). The param itself must be non-overlapping and dense
+// (contiguous, channels_last, any permutation of a contiguous tensor); then so is every tensor with its layout.
+bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
+  if (t.sizes() != ref.sizes()) return false;
+  for (int64_t d = 0; d < ref.dim(); ++d)
+    if (ref.size(d) > 1 && t.stride(d) != ref.stride(d)) return false;
+  return true;
+}
+
+std::string describe_layout(const at::Tensor& t) {
+  std::ostringstream s;
+  s << describe(t) << " with strides " << t.strides();
+  return s.str();
+}
+
+// A tensor that goes with a param (optimizer state, master weight, remainder): dtype `dtype` (`dtype_name` in
+// messages), on `device`, with the param's shape and memory layout.
+void check_beside_param(const at::Tensor& t, const std::string& name, at::ScalarType dtype, const char* dtype_name,
+                        const at::Device& device, const at::Tensor& param) {
+  check_dense(t, name);
+  if (t.scalar_type() != dtype) fail(name + " must be " + dtype_name + ", got a " + describe(t));
+  if (t.device() != device) fail(name + " must be on " + device.str() + " like its param, got a " + describe(t));
+  if (t.sizes() != param.sizes()) fail(name + " must have its param's shape " + c10::str(param.sizes()) + ", got a " + describe(t));
+  if (!same_layout(t, param))
+    fail(name + " must have its param's memory layout (strides " + c10::str(param.strides()) + "), got a " +
+         describe_layout(t));
+}
+
+// A float32 tensor beside its param (optimizer state, master weights).
+float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+  check_beside_param(t, name, at::kFloat, "float32", device, param);
+  return t.data_ptr<float>();
+}
+
+// An int16 remainder beside a BF16 param (master_weights="remainder", core/master_split.h).
+int16_t* remainder_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+  if (param.scalar_type() != at::kBFloat16)
+    fail(name + " is given for a " + describe(param) + " param; remainders (master_weights='remainder') are for "
+         "bfloat16 params only");
+  check_beside_param(t, name, at::kShort, "int16", device, param);
+  return t.data_ptr<int16_t>();
+}
+
+// A tensor hyperparameter (core/optim/common.h HyperRef): float32 or float64, one element, on the update's device.
+mpf::HyperRef hyper_ref(const at::Tensor* t, const std::string& name, const at::Device& device) {
+  if (!t) return {nullptr, false};
+  check_dense(*t, name);
+  if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) || t->numel() != 1)
+    fail(name + " must be a float32 or float64 tensor with one element, got a " + describe(*t));
+  if (t->device() != device) fail(name + " must be on " + device.str() + " like the params, got a " + describe(*t));
+  return {t->data_ptr(), t->scalar_type() == at::kDouble};
+}
+
+const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& list_name, size_t n) {
+  if (list.empty()) return nullptr;
+  if (list.size() != n) fail(list_name + " must be empty or have one entry per param (" + std::to_string(n) + "), got " + std::to_string(list.size()));
+  return list[i] ? &*list[i] : nullptr;
+}
+
+// Validates one device's params with their grads, masters or remainders, states (the policy's kStates, of
+// which the step uses those in state_mask), step counters (required where need_step, and for the 16-bit
+// params that a stochastic step rounds: its stream is the step number) and the stochastic rounding's
+// element offsets; raises before anything is written.
+std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+                                            const OptTensorList& remainders, const std::vector<OptTensorList>& states,
+                                            const char* const* state_names, uint32_t state_mask,
+                                            const OptTensorList& steps, bool need_step, bool stochastic,
+                                            const std::vector<uint64_t>& sr_offsets, at::Device& device) {
+  const size_t n = params.size();
+  if (grads.size() != n) fail("grads must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(grads.size()));
+  if (!sr_offsets.empty() && sr_offsets.size() != n)
+    fail("sr_offsets must be empty or have one entry per param (" + std::to_string(n) + "), got " +
+         std::to_string(sr_offsets.size()));
+  std::vector<mpf::OptimTensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    check_dense(p, "params" + idx);
+    const DType d = storage_dtype(p, "params" + idx);
+    if (i == 0) {
+      device = p.device();
+      check_backend(device, "params[0]");
+    }
+    if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
+    if (!p.is_non_overlapping_and_dense())
+      fail("params" + idx + " must be dense (contiguous, channels_last or another permutation of a contiguous "
+           "tensor), got a strided view " + describe_layout(p));
+    if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
+    check_plain(g, "grads" + idx);
+    if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
+    if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
+    if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
+    if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
+    if (!same_layout(g, p))
+      fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
+           describe_layout(g));
+    mpf::OptimTensor t{};
+    t.param = p.data_ptr();
+    t.grad = g.data_ptr();
+    t.numel = p.numel();
+    t.dtype = d;
+    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, p);
+    if (const at::Tensor* r = opt(remainders, i, "remainders", n)) {
+      if (t.master) fail("params" + idx + " has a master and a remainder; give one of the two");
+      t.remainder = remainder_ptr(*r, "remainders" + idx, device, p);
+    }
+    const bool rounds_sr = stochastic && d != DType::kFloat32 && !t.remainder;
+    if (!sr_offsets.empty()) {
+      t.sr_offset = sr_offsets[i];
+      if (t.numel > 0 && t.sr_offset > UINT64_MAX - static_cast<uint64_t>(t.numel - 1))  // the last index fits
+        fail("sr_offsets" + idx + " + the param's numel must be at most 2**64, got " + std::to_string(t.sr_offset));
+    } else if (rounds_sr) {
+      fail("sr_offsets is required with rounding='stochastic' (the Philox index of each param's first element)");
+    }
+    for (size_t k = 0; k < states.size(); ++k) {
+      const at::Tensor* s = opt(states[k], i, state_names[k], n);
+      if (!((state_mask >> k) & 1u)) continue;  // a state this step does not use is not touched
+      if (!s) fail(std::string(state_names[k]) + idx + " is required");
+      t.state[k] = state_ptr(*s, state_names[k] + idx, device, p);
+    }
+    const at::Tensor* st = opt(steps, i, "steps", n);
+    if (need_step || rounds_sr) {
+      if (!st) fail("steps" + idx + " is required" + std::string(need_step ? "" : " (rounding='stochastic': the step number is its random stream)"));
+      check_scalar(*st, "steps" + idx, device);
+      t.step = st->data_ptr<float>();
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& lr_tensor,
+                 const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& clip_sumsq, double max_norm,
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
+                 const at::Device& device) {
+  if (grad_scale) {
+    if (inv_scale) fail("pass inv_scale or grad_scale, not both");
+    check_scalar(*grad_scale, "grad_scale", device);
+    a.grad_scale = grad_scale->data_ptr<float>();
+  }
+  if (clip_sumsq) {
+    check_scalar(*clip_sumsq, "clip_sumsq", device);
+    if (!(max_norm >= 0.0)) fail("max_norm must be >= 0 (infinite: no clipping), got " + std::to_string(max_norm));
+    a.clip_sumsq = clip_sumsq->data_ptr<float>();
+    a.max_norm = static_cast<float>(max_norm);
+  }
+  a.lr = lr;
+  if (lr_tensor) {
+    check_scalar(*lr_tensor, "lr", device);
+    a.lr_ptr = lr_tensor->data_ptr<float>();
+  } else {
+    check_hyper(lr, "lr", 0.0, false, INFINITY, false);
+  }
+  if (inv_scale) check_scalar(*inv_scale, "inv_scale", device);
+  if (found_inf) check_scalar(*found_inf, "found_inf", device);
+  a.inv_scale = inv_scale ? inv_scale->data_ptr<float>() : nullptr;
+  a.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+}
+
+void run_optim(const mpf::OptimArgs& a, const at::Device& device) {
+  if (device.is_cpu()) {
+    mpf::optim_step_cpu(a, at::get_num_threads());
+    return;
+  }
+#ifdef MPFUSED_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(device);
+  TorchScratch scratch{{}, device};
+  mpf::optim_step_cuda(a, mpf::ScratchAllocator{&scratch, &TorchScratch::alloc},
+                       c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+}
+
+template <class P>
+void optim_step_with(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
+                     const OptTensorList& remainders, const std::vector<OptTensorList>& states, const OptTensorList& steps, double lr,
+                     const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
+                     const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
+                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
+                     double max_norm, const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& counter, bool write_grad, mpf::Rounding rounding,
+                     uint64_t seed, const std::vector<uint64_t>& sr_offsets) {
+  const std::string where = std::string(" (") + P::kName + ")";
+  if (hyper.size() != static_cast<size_t>(P::kNumHyper))
+    fail("hyper must have " + std::to_string(P::kNumHyper) + " values" + where + ", got " + std::to_string(hyper.size()));
+  if (!hyper_tensors.empty() && hyper_tensors.size() != static_cast<size_t>(P::kNumHyper))
+    fail("hyper_tensors must be empty or have " + std::to_string(P::kNumHyper) + " entries" + where + ", got " +
+         std::to_string(hyper_tensors.size()));
+  if (states.size() != static_cast<size_t>(P::kNumStates))
+    fail("states must have " + std::to_string(P::kNumStates) + " lists" + where + ", got " + std::to_string(states.size()));
+  // A value given as a tensor (only where the policy allows one) is read by the update itself, on the
+  // device (mpfused.optim checks it when the optimizer is built); its number here is ignored.
+  double values[mpf::kMaxHyper] = {};
+  for (int i = 0; i < P::kNumHyper; ++i) {
+    const mpf::HyperSpec& spec = P::kHyper[i];
+    values[i] = hyper[i];
+    if (!hyper_tensors.empty() && hyper_tensors[i]) {
+      if (!spec.tensor_ok) fail(std::string(spec.name) + " must be a number, not a tensor" + where);
+      continue;
+    }
+    check_hyper(values[i], spec.name, spec.lo, spec.lo_open, spec.hi, spec.hi_open);
+    if (spec.flag && values[i] != 0.0 && values[i] != 1.0)
+      fail(std::string(spec.name) + " must be 0 or 1 (a flag)" + where + ", got " + std::to_string(values[i]));
+  }
+  const typename P::Hyper h = P::make(values);
+  if (const char* e = P::check(h)) fail(e);
+  if (params.empty()) {
+    if (!lr_tensor) check_hyper(lr, "lr", 0.0, false, INFINITY, false);
+    return;
+  }
+  // The states and the step count a step uses depend only on values that are never tensors.
+  const uint32_t flags = P::flags(h);
+  at::Device device(at::kCPU);
+  const bool stochastic = rounding == mpf::Rounding::kStochastic;
+  auto tensors = optim_tensors(params, grads, masters, remainders, states, P::kStates, P::state_mask(flags), steps,
+                               P::needs_step(flags), stochastic, sr_offsets, device);
+  mpf::OptimArgs a{};
+  mpf::optim_kind(P::kName, &a.kind);
+  a.tensors = tensors.data();
+  a.num_tensors = static_cast<int64_t>(tensors.size());
+  for (int i = 0; i < P::kNumHyper; ++i) {
+    a.hyper[i] = values[i];
+    if (!hyper_tensors.empty())
+      a.hyper_ref[i] = hyper_ref(hyper_tensors[i] ? &*hyper_tensors[i] : nullptr, P::kHyper[i].name, device);
+  }
+  fill_common(a, lr, lr_tensor, inv_scale, clip_sumsq, max_norm, found_inf, grad_scale, device);
+  a.counter = counter_ptr(counter, "counter", device);
+  a.write_grad = write_grad;
+  a.rounding = rounding;
+  a.seed = seed;
+  run_optim(a, device);
+}
+
+// A schema cannot hold a list of optional mutable tensors (nor a list of lists), so each optional
+// per-param tensor list travels as the tensors given plus an index: index[i] is the position in `given`
+// of param i's tensor, or -1 for none; an empty index gives none at all.
+OptTensorList indexed(at::TensorList given, at::IntArrayRef index, size_t n, const std::string& name) {
+  OptTensorList out;
+  if (index.empty()) {
+    if (!given.empty()) fail(name + " has " + std::to_string(given.size()) + " tensors but no index");
+    return out;
+  }
+  if (index.size() != n)
+    fail(name + "'s index must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(index.size()));
+  std::vector<bool> used(given.size(), false);
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t at_ = index[i];
+    if (at_ < -1 || at_ >= static_cast<int64_t>(given.size()))
+      fail(name + "'s index[" + std::to_string(i) + "] must be -1 or a position in its " + std::to_string(given.size()) +
+           " tensors, got " + std::to_string(at_));
+    if (at_ < 0) {
+      out.emplace_back(std::nullopt);
+      continue;
+    }
+    if (used[at_]) fail(name + "'s index names tensor " + std::to_string(at_) + " twice");
+    used[at_] = true;
+    out.emplace_back(given[at_]);
+  }
+  return out;
+}
+
+void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList grads, at::TensorList masters,
+                 at::IntArrayRef master_index, at::TensorList remainders, at::IntArrayRef remainder_index,
+                 at::TensorList states, at::IntArrayRef state_index, at::TensorList steps, at::IntArrayRef step_index,
+                 double lr, const std::optional<at::Tensor>& lr_tensor, at::ArrayRef<double> hyper,
+                 const c10::List<std::optional<at::Tensor>>& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
+                 double max_norm, const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& counter,
+                 bool write_grad, c10::string_view rounding, int64_t seed, at::IntArrayRef sr_offsets) {
+  const std::string kind_s(kind), rounding_s(rounding);
+  mpf::OptimKind k;
+  if (!mpf::optim_kind(kind_s.c_str(), &k)) fail("unknown optimizer policy '" + kind_s + "'");
+  mpf::Rounding r;
+  if (rounding_s == "nearest") r = mpf::Rounding::kNearest;
+  else if (rounding_s == "stochastic") r = mpf::Rounding::kStochastic;
+  else fail("rounding must be 'nearest' or 'stochastic', got '" + rounding_s + "'");
+  const TensorList params_v(params.begin(), params.end()), grads_v(grads.begin(), grads.end());
+  const size_t n = params_v.size();
+  const OptTensorList masters_v = indexed(masters, master_index, n, "masters");
+  const OptTensorList remainders_v = indexed(remainders, remainder_index, n, "remainders");
+  const OptTensorList steps_v = indexed(steps, step_index, n, "steps");
+  OptTensorList hyper_v;
+  hyper_v.reserve(hyper_tensors.size());
+  for (size_t i = 0; i < hyper_tensors.size(); ++i) hyper_v.push_back(hyper_tensors.get(i));
+  std::vector<uint64_t> offsets;
+  offsets.reserve(sr_offsets.size());
+  for (int64_t o : sr_offsets) offsets.push_back(u64_of(o));
+  mpf::dispatch_optim(k, [&](auto policy) {
+    using P = decltype(policy);
+    // states: the policy's kNumStates lists, one index of n entries each, back to back
+    if (!state_index.empty() && state_index.size() != static_cast<size_t>(P::kNumStates) * n)
+      fail("states' index must have one entry per state and param (" + std::to_string(P::kNumStates) + " x " +
+           std::to_string(n) + "), got " + std::to_string(state_index.size()));
+    std::vector<OptTensorList> states_v(P::kNumStates);
+    std::vector<bool> used(states.size(), false);
+    for (int s = 0; s < P::kNumStates && !state_index.empty(); ++s) {
+      const at::IntArrayRef idx = state_index.slice(s * n, n);
+      if (std::all_of(idx.begin(), idx.end(), [](int64_t v) { return v == -1; })) continue;  // not given
+      states_v[s] = indexed(states, idx, n, P::kStates[s]);
+      for (int64_t v : idx)
+        if (v >= 0) {
+          if (used[v]) fail("states' index names tensor " + std::to_string(v) + " twice");
+          used[v] = true;
+        }
+    }
+    if (state_index.empty() && !states.empty()) fail("states has " + std::to_string(states.size()) + " tensors but no index");
+    optim_step_with<P>(params_v, grads_v, masters_v, remainders_v, states_v, steps_v, lr, lr_tensor,
+                       std::vector<double>(hyper.begin(), hyper.end()), hyper_v, inv_scale, grad_scale, clip_sumsq,
+                       max_norm, found_inf, counter, write_grad, r, u64_of(seed), offsets);
+  });
+}
+
+}  // namespace
+}  // namespace mpf_torch
+
+using namespace mpf_torch;
+
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.def("optim_step_(str policy, Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] masters, int[] master_index, "
+        "Tensor(d!)[] remainders, int[] remainder_index, Tensor(e!)[] states, int[] state_index, Tensor(f!)[] steps, "
+        "int[] step_index, float lr, Tensor? lr_tensor, float[] hyper, Tensor?[] hyper_tensors, Tensor? inv_scale, "
+        "Tensor? grad_scale, Tensor? clip_sumsq, float max_norm, Tensor? found_inf, Tensor(g!)? counter, "
+        "bool write_grad, str rounding, int seed, int[] sr_offsets) -> ()");
+}
+MPF_TORCH_IMPL_CPU_CUDA("optim_step_", &optim_step_)

@@ -1,0 +1,93 @@
+// torch.ops.mpfused.non_finite_check_ and unscale_check_: the multi-tensor inf/NaN check, with the
+// optional unscale in place, sum of squares and norm, in one pass (csrc/core/overflow.h).
+//
+// Two schemas, so that each says exactly what it writes: the check reads the tensors, the unscale writes
+// them back. Every argument is checked before the backend runs, so a call that raises has modified nothing.
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+namespace mpf_torch {
+namespace {
+
+void check_impl(at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
+                bool unscale, const std::optional<at::Tensor>& sumsq, bool overwrite,
+                const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& counter) {
+  // ---- validate everything first ----
+  check_dense(found_inf, "found_inf");
+  const at::Device device = found_inf.device();
+  check_backend(device, "found_inf");
+  check_scalar(found_inf, "found_inf", device);
+  if (inv_scale) check_scalar(*inv_scale, "inv_scale", device);
+  if (sumsq) check_scalar(*sumsq, "sumsq", device);
+  if (unscale && !inv_scale) fail("unscale=True needs inv_scale (a float32 tensor with one element)");
+  if (norm) {
+    check_scalar(*norm, "norm", device);
+    if (!sumsq) fail("norm needs sumsq (the norm is the square root of the sum of squares)");
+  }
+  unsigned int* counter_data = counter_ptr(counter, "counter", device);
+
+  std::vector<mpf::TensorRef> refs;
+  refs.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    check_dense(t, name);
+    const DType d = storage_dtype(t, name);
+    if (t.device() != device)
+      fail(name + " is on " + t.device().str() + " but found_inf is on " + device.str() +
+           "; all tensors of one call must be on one device");
+    if (!t.is_contiguous()) fail(name + " must be contiguous, got a strided view " + describe(t) + "; pass t.contiguous()");
+    if (t.numel() == 0) continue;
+    refs.push_back({t.data_ptr(), t.numel(), d});
+  }
+
+  mpf::OverflowArgs args{refs.data(),
+                         static_cast<int64_t>(refs.size()),
+                         found_inf.data_ptr<float>(),
+                         inv_scale ? inv_scale->data_ptr<float>() : nullptr,
+                         unscale,
+                         sumsq ? sumsq->data_ptr<float>() : nullptr,
+                         overwrite,
+                         norm ? norm->data_ptr<float>() : nullptr,
+                         counter_data};
+  if (refs.empty() && !overwrite) return;  // overwrite still writes found_inf = 0 (and sumsq, norm)
+
+  // ---- run ----
+  if (device.is_cpu()) {
+    mpf::overflow_check_cpu(args, at::get_num_threads());
+    return;
+  }
+#ifdef MPFUSED_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(device);
+  TorchScratch scratch{{}, device};
+  mpf::overflow_check_cuda(args, mpf::ScratchAllocator{&scratch, &TorchScratch::alloc},
+                           c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+}
+
+void non_finite_check_(at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
+                       const std::optional<at::Tensor>& sumsq, bool overwrite, const std::optional<at::Tensor>& norm,
+                       const std::optional<at::Tensor>& counter) {
+  check_impl(tensors, found_inf, inv_scale, false, sumsq, overwrite, norm, counter);
+}
+
+void unscale_check_(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                    const std::optional<at::Tensor>& sumsq, bool overwrite, const std::optional<at::Tensor>& norm,
+                    const std::optional<at::Tensor>& counter) {
+  check_impl(tensors, found_inf, inv_scale, true, sumsq, overwrite, norm, counter);
+}
+
+}  // namespace
+}  // namespace mpf_torch
+
+using namespace mpf_torch;
+
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.def("non_finite_check_(Tensor[] tensors, Tensor(a!) found_inf, Tensor? inv_scale, Tensor(b!)? sumsq, "
+        "bool overwrite, Tensor(c!)? norm, Tensor(d!)? counter) -> ()");
+  m.def("unscale_check_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor inv_scale, Tensor(c!)? sumsq, "
+        "bool overwrite, Tensor(d!)? norm, Tensor(e!)? counter) -> ()");
+}
+MPF_TORCH_IMPL_CPU_CUDA("non_finite_check_", &non_finite_check_)
+MPF_TORCH_IMPL_CPU_CUDA("unscale_check_", &unscale_check_)
