@@ -417,9 +417,9 @@ def _one_device(op: str, args) -> None:
 
 
 def _positional(op: str, args: tuple, kwargs: dict) -> tuple:
-    if not kwargs:
-        return args
     schema = getattr(torch.ops.mpfused, op).default._schema.arguments
+    if not kwargs and len(args) == len(schema):
+        return args
     return tuple(args) + tuple(kwargs[a.name] if a.name in kwargs else a.default_value for a in schema[len(args):])
 
 

@@ -18,17 +18,22 @@ pickling rules and its errors. What it changes:
 
 With torch's own optimizers (and any optimizer that sets ``_step_supports_amp_scaling``) step() follows
 torch's protocol exactly; a plain optimizer needs found_inf on the host once per iteration, as in torch.
+
+torch.compile: every method an iteration calls (scale, unscale_, clip_grad_norm_, step, update) is defined
+here, in code torch.compile traces; torch.amp's own module is on dynamo's skip list, so nothing of it is
+called on that path (the per-optimizer state and the per-device copies have their own small versions
+below). With a fused optimizer a whole iteration compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
+from collections import abc, defaultdict
 from typing import Any, Optional
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from . import _ops
 from ._layout import flat, is_dense
@@ -46,6 +51,27 @@ def _fresh_clip_state() -> dict:
     """mpfused's per-optimizer extras (a top-level factory so that the scaler pickles): the sum of
     squares of the unscaled gradients and max_norm recorded by clip_grad_norm_ on the fused path."""
     return {"sumsq": None, "max_norm": None}
+
+
+def _fresh_optimizer_state() -> dict:
+    """torch's per-optimizer state (``_per_optimizer_states[id(opt)]``), as torch.amp builds it; defined here
+    so that torch.compile traces it (and a top-level factory, so that the scaler pickles)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class _PerDevice:
+    """A tensor's copies per device, made on first use: a fresh copy on every device, the tensor's own
+    included (each device's found_inf is written by that device's pass). torch.amp's replicator does the
+    same; this one is traceable by torch.compile."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self._copies: dict = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self._copies:
+            self._copies[device] = self.master.clone() if device == self.master.device else copy_to(self.master, device)
+        return self._copies[device]
 
 
 def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -141,6 +167,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_left = self._hysteresis
         self._init_skipped_steps = 0
         self._reset_device_extras()
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._mpf_clip_states: defaultdict = defaultdict(_fresh_clip_state)
 
     # ---- device state ---------------------------------------------------------------------------------
@@ -152,8 +179,21 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf: Optional[torch.Tensor] = None
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
+        """torch's lazy init (the scale and growth tracker as 0-d tensors on ``dev``) and mpfused's extras."""
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         self._device_extras()
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple:
+        """torch's check (and its messages) that scale() ran before ``funcname``."""
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
 
     def _device_extras(self) -> torch.device:
         """Creates mpfused's device state next to ``_scale`` (also when a framework set ``_scale`` itself)."""
@@ -172,11 +212,32 @@ class GradScaler(torch.amp.GradScaler):
         return self._device_extras()
 
     def scale(self, outputs):
-        """torch's scale(): the outputs times the scale, same shapes and dtypes (the scale is 0-d)."""
-        out = super().scale(outputs)
-        if self._enabled and self._scale is not None:
+        """torch's scale(): the outputs (a tensor, or an iterable of them, nested) times the scale, same
+        shapes and dtypes (the scale is 0-d); lists and tuples keep their type, another iterable comes
+        back as a lazy map, as in torch."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
             self._device_extras()
-        return out
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+        copies: list = []
+
+        def apply(val):
+            if isinstance(val, torch.Tensor):
+                if not copies:
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    self._device_extras()
+                    copies.append(_PerDevice(self._scale))
+                return val * copies[0].get(val.device)
+            if isinstance(val, abc.Iterable):
+                mapped = map(apply, val)
+                return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
 
     # ---- the gradient pass ------------------------------------------------------------------------------
     @staticmethod
@@ -217,8 +278,8 @@ class GradScaler(torch.amp.GradScaler):
         # the scale's device; a disabled scaler (clipping with a process_group) has none
         scale = getattr(self, "_scale", None)
         home = scale.device if scale is not None else next(iter(per_device), torch.device("cpu"))
-        found_rep = _MultiDeviceReplicator(found_inf) if found_inf is not None else None
-        inv_rep = _MultiDeviceReplicator(inv_scale) if inv_scale is not None else None
+        found_rep = _PerDevice(found_inf) if found_inf is not None else None
+        inv_rep = _PerDevice(inv_scale) if inv_scale is not None else None
         # The common case, every grad on the scale's device and all taken by our kernel: one launch writes
         # found_inf, the sum of squares and the norm from scratch (no zero fills, no memset).
         fresh = found_rep is None and set(per_device) == {home} and not per_device[home][1]
@@ -425,7 +486,7 @@ class GradScaler(torch.amp.GradScaler):
                                     hysteresis=self._hysteresis, min_scale=self._min_scale,
                                     max_scale=self._max_scale, dynamic=self._dynamic)
             self._last_found_inf = combined
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._mpf_clip_states = defaultdict(_fresh_clip_state)
 
     # ---- queries ------------------------------------------------------------------------------------------
