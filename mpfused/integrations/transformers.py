@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import require
-from .accelerate import attach_scaler
 from ..scaler import GradScaler
 
 _transformers = require("transformers", "transformers", "mpfused.integrations.transformers")
+from .accelerate import attach_scaler  # noqa: E402  (after: a missing transformers is named first)
 
 __all__ = ["use_grad_scaler", "SkippedStepsCallback"]
 
