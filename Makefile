@@ -1,5 +1,7 @@
 # mpfused: the commands that work on a fresh machine.
 #   make test   create .venv, install torch if missing, build, run pytest and the native tests
+#   make test-integrations   install the pinned framework packages (torch kept as it is) and run
+#               tests/integrations: Lightning, accelerate, the Hugging Face Trainer
 #   make demo   the main job
 #   make cuda-check   the CUDA checks that need no GPU (compile for every arch, SASS, CUDA install path)
 #   make gpu-check    on a machine with a GPU: CUDA tests, compute-sanitizer, benchmarks -> JSON
@@ -14,7 +16,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
-.PHONY: venv build test test-python test-native isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check gpu-check clean
+.PHONY: venv build test test-python test-native test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check gpu-check clean
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +64,22 @@ isa-check: build
 	$(VPY) .ci/check_isa_clones.py
 
 test: test-python test-native
+
+# The framework integrations (mpfused/integrations/, tests/integrations/), with the versions they are tested
+# with. pip gets the venv's torch as a constraint, so it never replaces it. A package that cannot be
+# installed (no index, no wheel for this Python) is reported and its tests are skipped with the reason.
+INTEGRATION_PACKAGES := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
+INTEGRATION_CONSTRAINTS := build/integration-constraints.txt
+
+test-integrations: build
+	@mkdir -p build
+	$(VPY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(INTEGRATION_CONSTRAINTS)
+	@$(VPY) -m pip install --progress-bar off -q -c $(INTEGRATION_CONSTRAINTS) $(INTEGRATION_PACKAGES) || \
+	for pkg in $(INTEGRATION_PACKAGES); do \
+	  $(VPY) -m pip install --progress-bar off -q -c $(INTEGRATION_CONSTRAINTS) "$$pkg" || \
+	    echo "test-integrations: $$pkg could not be installed; the tests that need it are skipped"; \
+	done
+	HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VPY) -m pytest -q -p no:cacheprovider tests/integrations
 
 # The demo is a script outside the package (matplotlib is its dependency, not mpfused's); PYTHONPATH=.
 # finds the in-place build.

@@ -150,3 +150,12 @@ SR_SIGMAS = 5.0
 # ... plus the generator's resolution where the dropped part is longer than the 16 random bits (FP16's
 # subnormal grid): the probability is then rounded down to a multiple of 2^-16 (core/stochastic.h).
 SR_FP16_SUBNORMAL_RESOLUTION = 2.0**-16
+
+# Training runs through a framework (tests/integrations: Lightning, accelerate) against the same run written
+# by hand with torch.optim and torch.amp.GradScaler, absolute, over a few steps of SGD (lr 0.1, momentum)
+# on weights of O(1). The forward, backward and (power-of-two) unscale are the same operations; what
+# differs is the clip coefficient (ours from an FP32 sum of squares, torch's from its own norm: a few FP32
+# ulp apart, CLIPPED_GRAD_TOL) and the fused update's operation order (OPTIM_FP32_ATOL's few ulp per step).
+# Both stay far below 1e-5; a clip that did not happen, or happened twice, moves the weights by 1e-3 or more
+# (the tests assert that gap too).
+FRAMEWORK_RUN_ATOL = 1e-5

@@ -1,0 +1,28 @@
+"""mpfused.integrations without the frameworks installed (this runs in the main suite, where they may be
+absent): ``import mpfused`` imports none of them, and each adapter module raises an ImportError that names
+the package to install. The adapters themselves are tested in tests/integrations (make test-integrations)."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+ADAPTERS = [("lightning", "lightning"), ("accelerate", "accelerate"), ("transformers", "transformers")]
+
+
+def test_import_mpfused_imports_no_framework():
+    code = ("import sys, mpfused, mpfused.integrations; "
+            "print(sorted(m for m in ('lightning', 'accelerate', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module,package", ADAPTERS)
+def test_missing_framework_is_a_clear_import_error(monkeypatch, module, package):
+    for name in list(sys.modules):
+        if name == f"mpfused.integrations.{module}" or name.startswith(f"{package}.") or name == package:
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)  # `import <package>` now raises ImportError
+    with pytest.raises(ImportError, match=f"needs the package '{package}', which is not installed: pip install {package}"):
+        importlib.import_module(f"mpfused.integrations.{module}")
