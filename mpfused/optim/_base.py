@@ -426,10 +426,11 @@ class FusedOptimizer(Optimizer):
         for gi, group in enumerate(self.param_groups):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
-            if not torch.compiler.is_compiling():
+            if not (torch.compiler.is_compiling() or group.get("capturable")):
                 # Under torch.compile a float hyperparameter that changes between steps (a scheduled lr)
-                # is a symbolic value that Python cannot compare; the operator checks every value it is
-                # given before it writes anything, so a bad one still raises, from the compiled step.
+                # is a symbolic value that Python cannot compare, and a capturable step reads no tensor
+                # hyperparameter on the host; the operator checks every number it is given before it
+                # writes anything, so a bad one still raises (tensors are checked when they are set).
                 self._check_group(group, f" (param group {gi})", in_step=True)
             params = []
             for i, p in enumerate(group["params"]):

@@ -1,0 +1,303 @@
+"""torch.compile and CUDA graphs: the kernels are torch operators (torch.ops.mpfused.*), so a FusedLinear
+model, an optimizer step and a whole GradScaler iteration compile with no graph break and
+``fullgraph=True``, and compute exactly what eager computes; the steps never read a device value on the
+host, which is what lets CUDA graphs capture them (``capturable=True``).
+
+Bit for bit against eager: our operators run the same kernels compiled or not. The surrounding torch ops
+are compiled by inductor, which by default keeps FP16 intermediates of autocast regions in FP32; its
+``emulate_precision_casts`` option rounds them as eager does, and the tests set it. A loss *value*
+reduced by inductor may still differ from eager's in the last bit (its summation order; torch's own
+numerics, not ours), so the iteration tests compare it bit for bit on the aot_eager backend (AOT
+autograd and functionalization, no code generation) and compare everything we compute (params, FP32
+masters, optimizer state, grad norms, the scale and the skipped steps) bit for bit on both backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mpfused
+from mpfused import optim as mo
+from mpfused.nn import FusedLinear
+from conftest import requires_cuda
+from optim_helpers import assert_same, bits, snapshot
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        yield
+    torch._dynamo.reset()
+
+
+def graph_breaks(fn, *args) -> int:
+    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+class NoHostReads(TorchDispatchMode):
+    """Raises on any read of a tensor's value by the host (.item(), float(t), bool(t), t.tolist() all go
+    through aten._local_scalar_dense): a step that passes under it can be captured in a CUDA graph."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the host read a tensor's value")
+        return func(*args, **(kwargs or {}))
+
+
+# ---- FusedLinear ---------------------------------------------------------------------------------------
+def linear_model(device, dtype, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(FusedLinear(16, 32, activation="gelu"), FusedLinear(32, 32, activation="relu"),
+                               FusedLinear(32, 4, bias=False)).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_linear_model_compiles_whole_and_matches_eager(device, dtype):
+    model = linear_model(device, dtype)
+    x = torch.randn(2, 6, 16, device=device, dtype=dtype, requires_grad=True)
+    assert graph_breaks(model, x) == 0
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        out = fn(x)
+        out.float().square().sum().backward()
+        return [out.detach()] + [t.grad.clone() for t in [x, *model.parameters()]]
+
+    eager = run(model)
+    compiled = run(torch.compile(model, fullgraph=True))
+    for e, c in zip(eager, compiled, strict=True):
+        assert e.dtype == c.dtype and torch.equal(e, c)
+
+
+def test_fused_linear_under_autocast_compiles_whole(device):
+    model = linear_model(device, torch.float32)
+    x = torch.randn(8, 16, device=device)
+
+    def fwd(x):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return model(x)
+
+    assert graph_breaks(fwd, x) == 0
+    assert torch.equal(fwd(x), torch.compile(fwd, fullgraph=True)(x))
+
+
+def test_gemm_compiles_with_its_epilogue(device):
+    a = torch.randn(3, 8, 16, device=device, dtype=torch.float16)
+    b = torch.randn(16, 8, device=device, dtype=torch.float16)
+    c = torch.randn(8, 8, device=device)
+
+    def f(a, b, c):
+        return mpfused.gemm(a, b, activation="gelu_erf", alpha=0.5, beta=2.0, c=c, out_dtype=torch.float32)
+
+    assert graph_breaks(f, a, b, c) == 0
+    assert torch.equal(f(a, b, c), torch.compile(f, fullgraph=True)(a, b, c))
+
+
+# ---- optimizer steps -----------------------------------------------------------------------------------
+STEP_CASES = {
+    "adamw-fp16-masters": (mo.FusedAdamW, torch.float16, dict(lr=1e-2, weight_decay=0.1)),
+    "adam-amsgrad-bf16": (mo.FusedAdam, torch.bfloat16, dict(lr=1e-2, amsgrad=True)),
+    "adamw-tensor-lr-betas": (mo.FusedAdamW, torch.float16,
+                              dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.9), torch.tensor(0.99)))),
+    "adamw-bf16-remainder": (mo.FusedAdamW, torch.bfloat16, dict(lr=1e-2, master_weights="remainder")),
+    "adamw-fp16-stochastic": (mo.FusedAdamW, torch.float16, dict(lr=1e-2, rounding="stochastic", seed=7)),
+    "sgd-nesterov": (mo.FusedSGD, torch.float16, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "sgd-fp32": (mo.FusedSGD, torch.float32, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    "lamb": (mo.FusedLAMB, torch.float16, dict(lr=1e-2, max_grad_norm=1.0)),
+    "lion": (mo.FusedLion, torch.bfloat16, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+def step_run(case, device, compiled, steps=4):
+    cls, dtype, kwargs = STEP_CASES[case]
+    torch.manual_seed(0)
+    params = [torch.randn(33, 7, device=device).to(dtype).requires_grad_(), torch.randn(5, device=device).to(dtype)
+              .requires_grad_()]
+    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else
+                  tuple(b.to(device) for b in v) if k == "betas" and isinstance(v[0], torch.Tensor) else v)
+              for k, v in kwargs.items()}
+    opt = cls(params, **kwargs)
+    step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(device=device, dtype=dtype)
+        if i == 2 and not isinstance(opt.param_groups[0]["lr"], torch.Tensor):
+            opt.param_groups[0]["lr"] *= 0.5  # a scheduled lr: a new float (a symbolic one once compiled)
+        step()
+    return snapshot(opt, params)
+
+
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_compiled_step_matches_eager(device, case):
+    """torch.compile(opt.step, fullgraph=True): the state made in the first step, and every later step,
+    bit for bit as eager, a changed lr included."""
+    assert_same(step_run(case, device, compiled=False), step_run(case, device, compiled=True))
+
+
+@pytest.mark.parametrize("case", ["adamw-fp16-masters", "lamb", "lion", "sgd-nesterov"])
+def test_step_has_no_graph_break(device, case):
+    cls, dtype, kwargs = STEP_CASES[case]
+    p = torch.randn(10, device=device).to(dtype).requires_grad_()
+    p.grad = torch.randn(10, device=device).to(dtype)
+    opt = cls([p], **kwargs)
+    opt.step()  # the state exists: the steady-state step
+    assert graph_breaks(opt.step) == 0
+
+
+# ---- a whole GradScaler iteration ----------------------------------------------------------------------
+ITERATION_CASES = {
+    # model dtype (None: FP32 weights under FP16 autocast), optimizer, clip
+    "autocast-adamw-clip": (None, mo.FusedAdamW, dict(lr=1e-2), 1.0),
+    "fp16-adamw-masters-clip": (torch.float16, mo.FusedAdamW, dict(lr=1e-2), 0.5),
+    "fp16-sgd-noclip": (torch.float16, mo.FusedSGD, dict(lr=1e-2, momentum=0.9), None),
+    "fp16-lamb-clip": (torch.float16, mo.FusedLAMB, dict(lr=1e-2), 1.0),
+}
+POISON = [1.0, 1.0, float("inf"), 1.0, 1.0, float("nan"), 1.0]  # two skipped steps, growth in between
+
+
+def make_iteration(case, device):
+    dtype, cls, kwargs, clip = ITERATION_CASES[case]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(FusedLinear(16, 32, activation="gelu"), FusedLinear(32, 4))
+    if dtype is not None:
+        model = model.to(dtype)
+    model = model.to(device)
+    opt = cls(model.parameters(), **kwargs)
+    scaler = mpfused.GradScaler(device, init_scale=2.0**12, growth_interval=2)
+
+    def iteration(x, y, poison):
+        with torch.autocast(device, dtype=torch.float16, enabled=dtype is None):
+            out = model(x if dtype is None else x.to(dtype))
+        loss = (out.float() - y).square().mean() * poison
+        scaler.scale(loss).backward()
+        norm = scaler.clip_grad_norm_(opt, clip) if clip is not None else torch.zeros((), device=device)
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach(), norm
+
+    return model, opt, scaler, iteration
+
+
+def iteration_run(case, device, backend):
+    model, opt, scaler, iteration = make_iteration(case, device)
+    fn = iteration if backend is None else torch.compile(iteration, fullgraph=True, backend=backend)
+    g = torch.Generator().manual_seed(2)
+    losses, norms, scales = [], [], []
+    for poison in POISON:
+        x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss, norm = fn(x, y, torch.tensor(poison, device=device))
+        losses.append(loss)
+        norms.append(norm)
+        scales.append(scaler.get_scale())
+    params = list(model.parameters())
+    return dict(state=snapshot(opt, params), losses=torch.stack(losses), norms=torch.stack(norms), scales=scales,
+                scaler=scaler.state_dict(), skipped=scaler.skipped_steps)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", sorted(ITERATION_CASES))
+def test_compiled_iteration_matches_eager(device, case, backend):
+    """scale, backward, clip (the fused clip), step and update, compiled whole with fullgraph=True (backward
+    in the graph: dynamo's trace_autograd_ops), over steps that overflow and steps that grow the scale."""
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        eager = iteration_run(case, device, None)
+        compiled = iteration_run(case, device, backend)
+    assert eager["skipped"] == compiled["skipped"] == 2
+    assert eager["scales"] == compiled["scales"] and eager["scaler"] == compiled["scaler"]
+    assert len(set(eager["scales"])) > 1  # the scale backed off and grew
+    assert_same(eager["state"], compiled["state"])
+    assert torch.equal(bits(eager["norms"]), bits(compiled["norms"]))  # bits: NaN norms of skipped steps too
+    if backend == "aot_eager":
+        assert torch.equal(bits(eager["losses"]), bits(compiled["losses"]))
+
+
+def test_iteration_has_no_graph_break(device):
+    _, opt, _, iteration = make_iteration("fp16-adamw-masters-clip", device)
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        assert graph_breaks(iteration, x, y, torch.tensor(1.0, device=device)) == 0
+
+
+# ---- capturable: nothing on the host -------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_capturable_step_never_reads_a_device_value(device, case):
+    """capturable=True: the step's counters, lr, betas and every scalar stay tensors; no value of any of
+    them reaches the host (what a CUDA graph capture needs), from the second step on (the first builds the
+    state, as with torch, whose capture also needs warm-up steps)."""
+    cls, dtype, kwargs = STEP_CASES[case]
+    p = torch.randn(20, device=device).to(dtype).requires_grad_()
+    p.grad = torch.randn(20, device=device).to(dtype)
+    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else
+                  tuple(b.to(device) for b in v) if k == "betas" and isinstance(v[0], torch.Tensor) else v)
+              for k, v in kwargs.items()}
+    if cls in (mo.FusedAdam, mo.FusedAdamW):  # torch's Adam and AdamW have the flag (SGD has none)
+        kwargs["capturable"] = True
+    opt = cls([p], **kwargs)
+    opt.step()
+    with NoHostReads():
+        opt.step()
+        opt.step(scaling=mo.StepScaling(inv_scale=torch.full((1,), 0.5, device=device),
+                                        found_inf=torch.zeros(1, device=device)))
+
+
+@pytest.mark.parametrize("case", sorted(ITERATION_CASES))
+def test_scaler_iteration_never_reads_a_device_value(device, case):
+    _, opt, scaler, iteration = make_iteration(case, device)
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
+    iteration(x, y, torch.tensor(1.0, device=device))  # warm-up: lazy scale and optimizer state
+    with NoHostReads():
+        for poison in (1.0, float("inf"), 1.0):
+            opt.zero_grad(set_to_none=True)
+            iteration(x, y, torch.tensor(poison, device=device))
+    assert scaler.skipped_steps == 1
+
+
+# ---- CUDA graphs (GPU only) ----------------------------------------------------------------------------
+@requires_cuda
+@pytest.mark.parametrize("case", sorted(ITERATION_CASES))
+def test_cuda_graph_replay_matches_eager(case):
+    """A captured iteration (scale, backward, clip, step, update) replayed N times equals eager bit for
+    bit, the skipped steps and the scale changes included."""
+    def run(capture):
+        _, opt, scaler, iteration = make_iteration(case, "cuda")
+        model_params = [p for g in opt.param_groups for p in g["params"]]
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in POISON]
+        static_x, static_y = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 4, device="cuda")
+        static_p = torch.ones((), device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: state, scale and scratch exist before the capture
+            for _ in range(3):
+                static_x.copy_(data[0][0])
+                static_y.copy_(data[0][1])
+                iteration(static_x, static_y, static_p)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = None
+        if capture:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = iteration(static_x, static_y, static_p)
+        losses = []
+        for (x, y), poison in zip(data, POISON):
+            static_x.copy_(x)
+            static_y.copy_(y)
+            static_p.fill_(poison)
+            if graph is not None:
+                graph.replay()
+                losses.append(out[0].clone())
+            else:
+                losses.append(iteration(static_x, static_y, static_p)[0])
+        torch.cuda.synchronize()
+        return snapshot(opt, model_params), torch.stack(losses), scaler.state_dict()
+
+    eager, replayed = run(False), run(True)
+    assert_same(eager[0], replayed[0])
+    assert torch.equal(bits(eager[1]), bits(replayed[1]))
+    assert eager[2] == replayed[2]

@@ -1,0 +1,136 @@
+"""Every kernel is a torch operator (torch.ops.mpfused.*): torch.library.opcheck checks each against its
+schema (the arguments it writes are marked, the others untouched), its fake kernel (shapes, dtypes,
+devices), its autograd registration and AOT dispatch (functionalization, dynamic shapes), on every device
+this machine has. Sample inputs cover each op's optional arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpfused
+from mpfused import _ops
+
+OPS = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mpfused::"))
+
+
+def fp(shape, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+
+def scalar(device, value=0.0, dtype=torch.float32):
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def adam_args(device, dtype, *, masters, stochastic=False, scaling=True):
+    """optim_step_ for Adam on two params (FP32 masters when the params are 16-bit), in the operator's own
+    argument order (see mpfused._ops.optim_step_ for the meaning of each)."""
+    params = [fp((17,), device, dtype, 1), fp((4, 3), device, dtype, 2)]
+    grads = [fp((17,), device, dtype, 3), fp((4, 3), device, dtype, 4)]
+    m = [p.float().clone() for p in params] if masters else []
+    states = [torch.zeros(p.shape, device=device) for p in params for _ in range(2)]  # exp_avg, exp_avg_sq
+    state_index = [0, 2, 1, 3, -1, -1]  # exp_avg of params 0, 1; exp_avg_sq of 0, 1; no max_exp_avg_sq
+    steps = [torch.zeros((), device=device) for _ in params]
+    return ("adam", params, grads, m, [0, 1] if masters else [], [], [], states, state_index, steps, [0, 1],
+            1e-3, None, [0.9, 0.999, 1e-8, 0.01, 0.0, 0.0, 1.0], [],
+            scalar(device, 0.5) if scaling else None, None, scalar(device, 4.0) if scaling else None, 1.0,
+            scalar(device) if scaling else None, torch.zeros(1, dtype=torch.int32, device=device), scaling,
+            "stochastic" if stochastic else "nearest", _ops.u64_arg(2**64 - 5, "seed"), [0, 17] if stochastic else [])
+
+
+def samples(op: str, device: str) -> list:
+    """(args, kwargs) cases for one operator."""
+    h16 = torch.float16
+    if op in ("non_finite_check_", "unscale_check_"):
+        tensors = [fp((100,), device), fp((7, 5), device, h16, 1), fp((3,), device, torch.bfloat16, 2)]
+        inv = scalar(device, 0.25)
+        extra = (scalar(device), True, scalar(device), torch.zeros(1, dtype=torch.int32, device=device))
+        cases = [((tensors, scalar(device), inv, None, False, None, None), {}),
+                 ((tensors, scalar(device), inv) + extra, {})]
+        if op == "non_finite_check_":
+            cases.append(((tensors, scalar(device), None, scalar(device), False, None, None), {}))
+        return cases
+    if op == "optim_step_":
+        return [(adam_args(device, torch.float32, masters=False), {}),
+                (adam_args(device, h16, masters=True), {}),
+                (adam_args(device, h16, masters=False, stochastic=True, scaling=False), {})]
+    if op == "loss_scale_update_":
+        def state(found):
+            return (torch.full((), 1024.0, device=device), torch.zeros((), dtype=torch.int32, device=device),
+                    torch.ones((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.int64, device=device),
+                    torch.full((), found, device=device))
+        cfg = (2.0, 0.5, 2, 1, 0.0, float("inf"), True)
+        return [(state(0.0) + (torch.empty((), device=device),) + cfg, {}), (state(1.0) + (None,) + cfg, {})]
+    if op in ("gemm", "gemm_with_pre"):
+        a, b = fp((6, 8), device, h16, 1), fp((8, 5), device, h16, 2)
+        a3 = fp((2, 6, 8), device, h16, 3)
+        cases = [((a, b), dict(activation="gelu")),
+                 ((a3, b.t().contiguous().t()), dict(bias=fp((5,), device, seed=4), activation="relu", alpha=0.5,
+                                                     beta=2.0, c=fp((6, 5), device, seed=5),
+                                                     out_dtype=torch.float32)),
+                 ((fp((6, 8), device, torch.bfloat16, 6), fp((2, 8, 5), device, torch.bfloat16, 7)), {})]
+        if op == "gemm":
+            cases.append(((a, b), {}))
+        grad_cases = []
+        for args, kwargs in cases:  # and with inputs that require grad: the autograd formula
+            args = tuple(t.clone().requires_grad_() for t in args)
+            kwargs = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+            grad_cases.append((args, kwargs))
+        return cases + grad_cases
+    if op == "philox_words_":
+        return [((_ops.u64_arg(2**64 - 1, "seed"), 5, 3, 0, torch.empty(37, dtype=torch.int32, device=device)), {}),
+                ((1, 0, 0, 0, torch.empty(0, dtype=torch.int32, device=device)), {})]
+    if op == "philox4x32_10":
+        return [((torch.arange(40, dtype=torch.int32, device=device).reshape(10, 4), 7, 2**32 - 1), {})]
+    if op == "round_stochastic":
+        return [((fp((9, 11), device), h16, 3, 100), {}), ((fp((33,), device), torch.bfloat16, 0, 0), {})]
+    if op == "round_stochastic_out_":
+        return [((fp((65,), device), 3, 8, torch.empty(65, dtype=h16, device=device)), {})]
+    if op == "fixed_point_quantize":
+        return [((fp((50,), device), 4, 8, True, 9, 0, torch.int16), {}),
+                ((fp((5, 6), device, torch.float64), 2, 14, False, 0, 0, torch.float32), {})]
+    if op == "fixed_point_matmul":
+        a = torch.randint(-100, 100, (5, 7), dtype=torch.int16, device=device)
+        b = torch.randint(-100, 100, (7, 3), dtype=torch.int32, device=device)
+        return [((a, b, 4, 8, 4, 8, 8, 8, True, 5, 0, torch.int32), {}),
+                ((a, b, 4, 8, 4, 8, 8, 8, False, 0, 0, torch.int16), {})]
+    raise AssertionError(f"no sample inputs for mpfused::{op}: add them here")
+
+
+def test_every_operator_has_samples():
+    assert {"gemm", "optim_step_", "non_finite_check_", "unscale_check_", "loss_scale_update_"} <= set(OPS)
+    for op in OPS:
+        assert samples(op, "cpu"), op
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(device, op):
+    for args, kwargs in samples(op, device):
+        torch.library.opcheck(getattr(torch.ops.mpfused, op).default, args, kwargs)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_schema_marks_writes_only(op):
+    """Which arguments the schema says an operator writes: exactly the ones it may write."""
+    writes = {a.name for a in getattr(torch.ops.mpfused, op).default._schema.arguments
+              if a.alias_info is not None and a.alias_info.is_write}
+    expected = {
+        "non_finite_check_": {"found_inf", "sumsq", "norm", "counter"},
+        "unscale_check_": {"tensors", "found_inf", "sumsq", "norm", "counter"},
+        "optim_step_": {"params", "grads", "masters", "remainders", "states", "steps", "counter"},
+        "loss_scale_update_": {"scale", "growth_tracker", "hysteresis_left", "skipped_steps", "inv_scale"},
+        "philox_words_": {"out"},
+        "round_stochastic_out_": {"out"},
+    }.get(op, set())
+    assert writes == expected
+
+
+def test_meta_tensors_propagate_shapes():
+    a = torch.empty(3, 6, 8, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(8, 5, dtype=torch.bfloat16, device="meta")
+    out, pre = torch.ops.mpfused.gemm_with_pre(a, b, None, "gelu", 1.0, 0.0, None, torch.float32)
+    assert out.shape == pre.shape == (3, 6, 5) and out.dtype == torch.float32 and out.device.type == "meta"
+    x = torch.empty(4, 4, device="meta")
+    assert torch.ops.mpfused.round_stochastic(x, torch.float16, 0, 0).dtype == torch.float16
+    assert mpfused.fixed_point.quantize(x, 4, 8).shape == (4, 4)
