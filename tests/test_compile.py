@@ -246,6 +246,24 @@ def test_capturable_step_never_reads_a_device_value(device, case):
                                         found_inf=torch.zeros(1, device=device)))
 
 
+def test_capturable_refuses_values_on_another_device():
+    """A capturable step never copies a value between devices (a host-to-device copy cannot be captured):
+    a value elsewhere is a ValueError naming it, before anything is written."""
+    p = torch.randn(8).requires_grad_()
+    p.grad = torch.randn(8)
+    before = p.detach().clone()
+    for kwargs, scaling, name in [
+            (dict(lr=torch.tensor(1e-2, device="meta")), None, "lr"),
+            (dict(lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99))), None, r"betas\[1\]"),
+            (dict(lr=1e-2), mo.StepScaling(found_inf=torch.zeros(1, device="meta")), "scaling.found_inf")]:
+        opt = mo.FusedAdamW([p], capturable=True, **kwargs)
+        if name.startswith("betas"):  # set later (the constructor checks the devices of its own)
+            opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.99, device="meta"))
+        with pytest.raises(ValueError, match=f"capturable=True: {name} is on meta but the params are on cpu"):
+            opt.step(scaling=scaling)
+        assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
 @pytest.mark.parametrize("case", sorted(ITERATION_CASES))
 def test_scaler_iteration_never_reads_a_device_value(device, case):
     _, opt, scaler, iteration = make_iteration(case, device)

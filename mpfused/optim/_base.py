@@ -167,6 +167,25 @@ def check_common_kwargs(foreach, fused, capturable, differentiable) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
+def check_capturable(group: dict, params: list, scaling: "StepScaling", where: str) -> None:
+    """capturable=True: every tensor the step reads (lr, tensor hyperparameters, the scaler's values) must
+    already be on its params' device. A copy from the host inside a CUDA-graph capture is not allowed (and
+    a copy to the host would sync), so a capturable step never makes one: a ValueError naming the value
+    instead, raised before anything is written."""
+    devices = {p.device for p in params}
+    values = [(k, v) for k, v in group.items() if k != "params"]
+    values += [(f"scaling.{k}", getattr(scaling, k)) for k in ("inv_scale", "grad_scale", "found_inf")]
+    if scaling.clip is not None:
+        values.append(("scaling.clip sumsq", scaling.clip[0]))
+    for name, value in values:
+        for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(t, torch.Tensor) and any(t.device != d for d in devices):
+                label = name if not isinstance(value, (tuple, list)) else f"{name}[{i}]"
+                raise ValueError(f"capturable=True: {label} is on {t.device} but the params are on "
+                                 f"{', '.join(sorted(str(d) for d in devices))}; a capturable step reads every value "
+                                 f"on the params' device (move it there, e.g. torch.tensor(..., device=...)){where}")
+
+
 def join_master(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The FP32 master of a BF16 param and its int16 remainder: bits (param << 16) + remainder, in p's
     layout (used when a group leaves master_weights='remainder' for FP32 masters)."""
@@ -443,6 +462,8 @@ class FusedOptimizer(Optimizer):
                 if stochastic:
                     offsets[id(p)] = start
                     start += p.numel()
+            if group.get("capturable") and params:
+                check_capturable(group, params, scaling, f" (param group {gi})")
             work.append((group, params))
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
