@@ -220,8 +220,7 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
     tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
-    params = _tensor_list(params, "params")
-    grads = _tensor_list(grads, "grads")
+    params, grads = list(params), list(grads)  # the operator checks every tensor (and says which)
     n = len(params)
     masters, master_index = _indexed(masters, "masters", n)
     remainders, remainder_index = _indexed(remainders, "remainders", n)
@@ -241,19 +240,20 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
 
 def _indexed(tensors, name: str, n: int) -> tuple:
     """An optional per-param list (empty, or one tensor or None per param) as the operator takes it: the
-    tensors given, and per param its position among them or -1 (both empty when none is given)."""
+    tensors given, and per param its position among them or -1 (both empty when none is given). The
+    operator checks each tensor (this runs on every step: it only rearranges the list)."""
     tensors = list(tensors)
     if not tensors:
         return [], []
     if len(tensors) != n:
         raise ValueError(f"{name} must be empty or have one entry per param ({n}), got {len(tensors)}")
-    given, index = [], []
-    for i, t in enumerate(tensors):
-        if t is None:
-            index.append(-1)
-        else:
-            index.append(len(given))
-            given.append(_plain(t, f"{name}[{i}]"))
+    if all(t is not None for t in tensors):
+        return tensors, list(range(n))
+    given = [t for t in tensors if t is not None]
+    index, k = [], 0
+    for t in tensors:
+        index.append(-1 if t is None else k)
+        k += t is not None
     return given, index
 
 
