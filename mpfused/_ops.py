@@ -82,23 +82,27 @@ def _tensor_list(tensors, name: str) -> list:
         out = list(tensors)
     except TypeError:
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}") from None
-    for i, t in enumerate(out):
-        _plain(t, f"{name}[{i}]")
+    if any(intercepts_dispatch(t) or not isinstance(t, torch.Tensor) for t in out):  # then say which
+        for i, t in enumerate(out):
+            _plain(t, f"{name}[{i}]")
     return out
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+def intercepts_dispatch(t) -> bool:
+    """Whether ``t`` is a tensor subclass that overrides ``__torch_dispatch__`` (DTensor, wrapper subclasses):
+    such a tensor takes an operator through its own dispatch, so the kernels never see its memory. A plain
+    subclass (``class T(torch.Tensor)``, Parameter) does not."""
+    return isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
 
 
 def _plain(t, name: str, optional: bool = False):
-    """``t`` itself when it is a plain tensor (or None where ``optional``). A tensor subclass that intercepts
-    operators (DTensor, wrapper subclasses) would take the kernels' operators through its own dispatch:
-    refused here with a TypeError naming the argument."""
+    """``t`` itself when it is a tensor the kernels can take (or None where ``optional``); a TypeError naming
+    the argument for a non-tensor, and for a subclass that intercepts dispatch (see intercepts_dispatch)."""
     if t is None and optional:
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}")
-    if type(t) not in _PLAIN_TYPES:
+    if intercepts_dispatch(t):
         raise TypeError(f"{name} is a tensor subclass ({type(t).__name__}) that overrides __torch_dispatch__ (such as "
                         "DTensor); mpfused's kernels take plain dense tensors. Pass its local data (for DTensor: "
                         ".to_local()).")
@@ -445,15 +449,34 @@ def _gemm_shape(a: torch.Tensor, b: torch.Tensor) -> list:
     return [a.shape[-2], b.shape[-1]]
 
 
+def _gemm_out(a, b, out_dtype):
+    # What the output's shape and dtype depend on, checked as the kernel does (the rest is checked when the
+    # kernel runs): a fake kernel must not make up a shape.
+    for t, name in ((a, "a"), (b, "b")):
+        if t.dtype not in (torch.float16, torch.bfloat16) or t.dim() not in (2, 3):
+            raise ValueError(f"{name} must be a 2-D or 3-D float16 or bfloat16 tensor, got {t.dtype} of shape "
+                             f"{tuple(t.shape)}")
+    if b.dtype != a.dtype:
+        raise ValueError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
+    if b.shape[-2] != a.shape[-1]:
+        raise ValueError(f"b must have {a.shape[-1]} rows, the inner dim of a, got shape {tuple(b.shape)}")
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"b must have a's batch size {a.shape[0]}, got shape {tuple(b.shape)}")
+    if out_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype}")
+    return _gemm_shape(a, b), out_dtype or a.dtype
+
+
 @_fake("gemm")
 def _gemm_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
-    return a.new_empty(_gemm_shape(a, b), dtype=out_dtype or a.dtype)
+    shape, dtype = _gemm_out(a, b, out_dtype)
+    return a.new_empty(shape, dtype=dtype)
 
 
 @_fake("gemm_with_pre")
 def _gemm_with_pre_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
-    shape = _gemm_shape(a, b)
-    return a.new_empty(shape, dtype=out_dtype or a.dtype), a.new_empty(shape, dtype=out_dtype or a.dtype)
+    shape, dtype = _gemm_out(a, b, out_dtype)
+    return a.new_empty(shape, dtype=dtype), a.new_empty(shape, dtype=dtype)
 
 
 @_fake("philox4x32_10")
@@ -536,12 +559,12 @@ def _gemm_backward(ctx, grad, grad_pre=None):
         grad_a = _matmul_grad(grad, b.transpose(-1, -2), ctx.alpha, ctx.a_dtype, ctx.a_dim)
     if ctx.needs_input_grad[1]:  # alpha * a^T @ grad, computed as (grad^T @ a)^T: a transposed view, no copy
         if ctx.b_dim == 2 and a.dim() == 3:  # b shared by every batch: one product over all the rows
-            g2, a2 = grad.reshape(-1, grad.shape[-1]), a.reshape(-1, a.shape[-1])
+            g2, a2 = grad.flatten(0, 1), a.flatten(0, 1)
             grad_b = _matmul_grad(g2.t(), a2, ctx.alpha, ctx.a_dtype, 2).t()
         else:
             grad_b = _matmul_grad(grad.transpose(-1, -2), a, ctx.alpha, ctx.a_dtype, ctx.b_dim).transpose(-1, -2)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        grad_bias = grad.sum(tuple(range(grad.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
     if ctx.c_info is not None and ctx.needs_input_grad[6] and ctx.beta != 0.0:
         c_dtype, c_dim = ctx.c_info
         gc = grad.float() * ctx.beta
@@ -555,3 +578,22 @@ def _gemm_with_pre_backward(ctx, grad, grad_pre):
 
 torch.library.register_autograd("mpfused::gemm", _gemm_backward, setup_context=_gemm_setup)
 torch.library.register_autograd("mpfused::gemm_with_pre", _gemm_with_pre_backward, setup_context=_gemm_setup)
+
+
+# ---- the operators with no derivative ------------------------------------------------------------------
+# Rounding has no useful derivative (it is zero almost everywhere): a backward through these raises, rather
+# than dropping the gradient in silence. A straight-through estimator is the caller's choice to make, e.g.
+# ``x + (round_stochastic(x, ...).float() - x).detach()``.
+def _no_derivative(op: str):
+    def setup(ctx, inputs, output) -> None:
+        return None
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"mpfused.{op} has no derivative (rounding is flat almost everywhere); detach its input, "
+                           "or pass the gradient straight through: x + (rounded - x).detach()")
+
+    torch.library.register_autograd(f"mpfused::{op}", backward, setup_context=setup)
+
+
+for _name in ("round_stochastic", "fixed_point_quantize"):
+    _no_derivative(_name)

@@ -57,7 +57,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = Non
 
     Differentiable in every input but ``out_dtype`` and the numbers: the backward runs on the same GEMM
     where the gradient has the operands' dtype (``alpha * grad @ b^T``, ``alpha * a^T @ grad``, each
-    accumulated in FP32 and rounded once), and in FP32 otherwise; the bias gradient is an FP32 sum. With a
+    accumulated in FP32 and rounded once), and in FP32 otherwise; the bias gradient is an FP32 sum. An
+    operand expanded over the batch (``b.expand(B, -1, -1)``) gets one gradient per batch, each rounded,
+    which autograd's expand backward then adds up (a 2-D operand shared by every batch is rounded once). With a
     GELU the backward computes the value before it again (one more GEMM; ``mpfused.nn.FusedLinear`` keeps
     it from the forward instead). Never synchronises the host with the device; traced by torch.compile
     without a graph break (it is the operator ``torch.ops.mpfused.gemm``).

@@ -41,8 +41,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     read without a copy), and ``grad_bias`` as an FP32 sum over the rows. Only the gradients autograd asks
     for are computed. Operators all the way, so torch.compile traces it without a graph break."""
     if activation in _GELU_APPROXIMATE:
-        return _ops.ops.gemm_with_pre(x, weight.t(), bias, activation, 1.0, 0.0, None, None)[0]
-    return _ops.ops.gemm(x, weight.t(), bias, activation, 1.0, 0.0, None, None)
+        return _ops.gemm(x, weight.t(), bias, activation, return_pre_activation=True)[0]
+    return _ops.gemm(x, weight.t(), bias, activation)
 
 
 class FusedLinear(nn.Module):
@@ -69,7 +69,8 @@ class FusedLinear(nn.Module):
       dtype, as with ``nn.Linear`` on FP16/BF16 weights; every product is accumulated in FP32.
     - Anything else, FP32 in particular: ``F.linear`` followed by the activation, exactly what
       ``nn.Linear`` + the activation compute. mpfused's GEMM is a low-precision GEMM; FP32 (and FP64)
-      layers keep torch's FP32 GEMM.
+      layers keep torch's FP32 GEMM. So do tensor subclasses that intercept dispatch (DTensor, wrapper
+      subclasses): they compute through their own dispatch, which the fused kernel cannot join.
 
     Double backward (``create_graph=True``) is not supported on the fused path and raises.
     """
@@ -109,13 +110,15 @@ class FusedLinear(nn.Module):
         weight, bias = self.weight, self.bias
         device_type = x.device.type
         fusable_device = device_type in ("cpu", "cuda")
-        if fusable_device and torch.is_autocast_enabled(device_type):
+        if fusable_device and torch.is_autocast_enabled(device_type) and not any(
+                _ops.intercepts_dispatch(t) for t in (x, weight, bias)):
             dtype = torch.get_autocast_dtype(device_type)
             if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
                 with torch.autocast(device_type, enabled=False):
                     return self._fused(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
         if (fusable_device and x.dtype in _LOW_PRECISION and weight.dtype == x.dtype
-                and (bias is None or bias.dtype == x.dtype)):
+                and (bias is None or bias.dtype == x.dtype)
+                and not any(_ops.intercepts_dispatch(t) for t in (x, weight, bias))):
             return self._fused(x, weight, bias)
         return _activate(F.linear(x, weight, bias), self.activation)
 

@@ -38,13 +38,32 @@ def graph_breaks(fn, *args) -> int:
 
 
 class NoHostReads(TorchDispatchMode):
-    """Raises on any read of a tensor's value by the host (.item(), float(t), bool(t), t.tolist() all go
-    through aten._local_scalar_dense): a step that passes under it can be captured in a CUDA graph."""
+    """Raises on a read of a tensor's value by the host: .item(), float(t), bool(t) and int(t) go through
+    aten._local_scalar_dense, and a copy from a CUDA device to the CPU is refused too. With a GPU, CUDA's
+    sync debug mode also turns any synchronising call into an error. (t.tolist() of a CPU tensor reads its
+    memory without an operator: nothing here can see that one.) A step that passes under it can be
+    captured in a CUDA graph."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             raise AssertionError("the host read a tensor's value")
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and isinstance(out, torch.Tensor):
+            sources = [a for a in args if isinstance(a, torch.Tensor)]
+            if out.device.type == "cpu" and any(t.device.type == "cuda" for t in sources):
+                raise AssertionError("a device value was copied to the host")
+        return out
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            self._debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
+        return super().__exit__(*exc)
 
 
 # ---- FusedLinear ---------------------------------------------------------------------------------------
@@ -254,14 +273,37 @@ def test_capturable_refuses_values_on_another_device():
     before = p.detach().clone()
     for kwargs, scaling, name in [
             (dict(lr=torch.tensor(1e-2, device="meta")), None, "lr"),
-            (dict(lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99))), None, r"betas\[1\]"),
+            (dict(lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99))), None,
+             r"Invalid beta parameter at index 1: .* must be on the CPU or on the params' CUDA device"),
             (dict(lr=1e-2), mo.StepScaling(found_inf=torch.zeros(1, device="meta")), "scaling.found_inf")]:
         opt = mo.FusedAdamW([p], capturable=True, **kwargs)
-        if name.startswith("betas"):  # set later (the constructor checks the devices of its own)
+        if name.startswith("Invalid beta"):  # set later (the constructor checks the devices of its own)
             opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.99, device="meta"))
-        with pytest.raises(ValueError, match=f"capturable=True: {name} is on meta but the params are on cpu"):
+        message = name if name.startswith("Invalid") else f"capturable=True: {name} is on meta but the params are on cpu"
+        with pytest.raises(ValueError, match=message):
             opt.step(scaling=scaling)
         assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
+def test_capturable_step_still_checks_its_values():
+    """A capturable step reads no tensor on the host, yet a bad value never reaches the update: Python checks
+    what needs no read (types, sizes, numbers), the operator the values it can read without a sync (tensors
+    on the CPU), before anything is written (after the warm-up step, which builds the state)."""
+    p = torch.randn(8).requires_grad_()
+    p.grad = torch.randn(8)
+    opt = mo.FusedAdam([p], capturable=True, betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    opt.step()
+    before = snapshot(opt, [p])
+    for key, value, message in [("betas", (torch.tensor(1.5), torch.tensor(0.99)), "invalid beta1: 1.5"),
+                                ("eps", "1e-8", "Invalid epsilon value"),
+                                ("lr", torch.tensor([1e-3, 1e-3]), "Tensor lr must be 1-element"),
+                                ("lr", -1.0, "Invalid learning rate")]:
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        opt.param_groups[0][key] = good
+        assert_same(before, snapshot(opt, [p]))
 
 
 @pytest.mark.parametrize("case", sorted(ITERATION_CASES))

@@ -199,6 +199,20 @@ def test_double_backward_matches_float64(device):
     assert (gg.double() - ggr).abs().max().item() <= tol * max(ggr.abs().max().item(), 1.0)
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (0, 3)])
+def test_zero_width_layers_have_gradients(device, shape):
+    """nn.Linear's behaviour at zero features: empty outputs, zero (or empty) gradients, no error."""
+    layer = FusedLinear(*shape, device=device, dtype=torch.float16)
+    x = torch.randn(2, 5, shape[0], device=device, dtype=torch.float16, requires_grad=True)
+    ref = nn.Linear(*shape).to(device)  # FP32: exact here (empty sums are 0, the bias grad counts rows)
+    ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    xr = x.detach().float().requires_grad_(True)
+    layer(x).float().sum().backward()
+    ref(xr).sum().backward()
+    for got, want in ((x.grad, xr.grad), (layer.weight.grad, ref.weight.grad), (layer.bias.grad, ref.bias.grad)):
+        assert got.shape == want.shape and torch.equal(got.float(), want)
+
+
 def test_bad_arguments(device):
     with pytest.raises(ValueError, match="activation must be"):
         FusedLinear(4, 3, activation="tanh")

@@ -134,3 +134,49 @@ def test_meta_tensors_propagate_shapes():
     x = torch.empty(4, 4, device="meta")
     assert torch.ops.mpfused.round_stochastic(x, torch.float16, 0, 0).dtype == torch.float16
     assert mpfused.fixed_point.quantize(x, 4, 8).shape == (4, 4)
+
+
+def test_fake_kernel_checks_what_the_shape_depends_on():
+    a = torch.empty(4, 5, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="b must have 5 rows"):
+        torch.ops.mpfused.gemm(a, torch.empty(6, 3, dtype=torch.float16, device="meta"))
+    with pytest.raises(ValueError, match="a must be a 2-D or 3-D float16 or bfloat16"):
+        torch.ops.mpfused.gemm(a.float(), torch.empty(5, 3, device="meta"))
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        torch.ops.mpfused.gemm(a, torch.empty(5, 3, dtype=torch.float16, device="meta"), out_dtype=torch.float64)
+
+
+def test_subclasses_that_intercept_dispatch_are_refused_and_plain_ones_taken():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Plain(torch.Tensor):  # no __torch_dispatch__ of its own: its memory is the tensor's
+        pass
+
+    a = torch.ones(4, 5, dtype=torch.float16)
+    b = torch.ones(5, 3, dtype=torch.float16)
+    assert torch.equal(mpfused.gemm(a.as_subclass(Plain), b), mpfused.gemm(a, b))
+    with pytest.raises(TypeError, match="a is a tensor subclass .TwoTensor."):
+        mpfused.gemm(TwoTensor(a, a.clone()), b)
+    # FusedLinear leaves such inputs to F.linear, which computes through the subclass's own dispatch
+    layer = mpfused.nn.FusedLinear(5, 3, dtype=torch.float16)
+    out = layer(TwoTensor(a, a.clone()))
+    assert isinstance(out, TwoTensor) and torch.equal(out.a, torch.nn.functional.linear(a, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: mpfused.round_stochastic(x, torch.float16, seed=1),
+    lambda x: mpfused.fixed_point.quantize(x, 4, 8, rounding="stochastic", seed=1),
+])
+def test_rounding_has_no_derivative(call):
+    """A backward through a rounding raises (no silent gradient drop); under no_grad nothing is recorded."""
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        call(x).float().sum().backward()
+    with torch.no_grad():
+        assert not call(x).requires_grad
+
+
+def test_fixed_point_format_overflow_is_refused():
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="il >= 1, fl >= 0 and il \\+ fl <= 32"):
+        torch.ops.mpfused.fixed_point_quantize(x, 2**62, 2**62, False, 0, 0, torch.int32)

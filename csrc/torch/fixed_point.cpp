@@ -11,7 +11,8 @@ namespace {
 using mpf::FixedType;
 
 mpf::FixedFormat fixed_format(int64_t il, int64_t fl, const std::string& name) {
-  if (il < 1 || fl < 0 || il + fl > mpf::kFixedMaxWordLength)
+  if (il < 1 || fl < 0 || il > mpf::kFixedMaxWordLength || fl > mpf::kFixedMaxWordLength ||
+      il + fl > mpf::kFixedMaxWordLength)  // each bounded first: il + fl of two huge ints would overflow
     fail(name + " must have il >= 1, fl >= 0 and il + fl <= 32, got il=" + std::to_string(il) + ", fl=" +
          std::to_string(fl));
   return mpf::FixedFormat{static_cast<int32_t>(il), static_cast<int32_t>(fl)};

@@ -61,12 +61,18 @@ int16_t* remainder_ptr(const at::Tensor& t, const std::string& name, const at::D
 }
 
 // A tensor hyperparameter (core/optim/common.h HyperRef): float32 or float64, one element, on the update's device.
-mpf::HyperRef hyper_ref(const at::Tensor* t, const std::string& name, const at::Device& device) {
+mpf::HyperRef hyper_ref(const at::Tensor* t, const mpf::HyperSpec& spec, const at::Device& device) {
   if (!t) return {nullptr, false};
+  const std::string name = spec.name;
   check_dense(*t, name);
   if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kDouble) || t->numel() != 1)
     fail(name + " must be a float32 or float64 tensor with one element, got a " + describe(*t));
   if (t->device() != device) fail(name + " must be on " + device.str() + " like the params, got a " + describe(*t));
+  // On the CPU the value is checked like a number's (reading it costs no sync); a device tensor's value
+  // was checked when it was set (mpfused.optim reads it there, as torch does), never in a step.
+  if (device.is_cpu())
+    check_hyper(t->scalar_type() == at::kDouble ? *t->data_ptr<double>() : *t->data_ptr<float>(), spec.name, spec.lo,
+                spec.lo_open, spec.hi, spec.hi_open);
   return {t->data_ptr(), t->scalar_type() == at::kDouble};
 }
 
@@ -241,7 +247,7 @@ void optim_step_with(const TensorList& params, const TensorList& grads, const Op
   for (int i = 0; i < P::kNumHyper; ++i) {
     a.hyper[i] = values[i];
     if (!hyper_tensors.empty())
-      a.hyper_ref[i] = hyper_ref(hyper_tensors[i] ? &*hyper_tensors[i] : nullptr, P::kHyper[i].name, device);
+      a.hyper_ref[i] = hyper_ref(hyper_tensors[i] ? &*hyper_tensors[i] : nullptr, P::kHyper[i], device);
   }
   fill_common(a, lr, lr_tensor, inv_scale, clip_sumsq, max_norm, found_inf, grad_scale, device);
   a.counter = counter_ptr(counter, "counter", device);

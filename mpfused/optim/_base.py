@@ -51,17 +51,23 @@ def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_ope
     (stricter than torch, which would step into NaN weights) for an infinite one."""
     if not _is_real(value):
         raise ValueError(f"Invalid {name}: {value!r} (expected a number, got {type(value).__name__}){where}")
+    if torch.compiler.is_compiling():
+        # A float that changes between compiled steps (a scheduled lr) is symbolic there, and Python cannot
+        # compare it; the operator checks every number it is given, before it writes anything.
+        return
     v = float(value)
     if not math.isfinite(v) or not (lo <= v <= hi) or (hi_open and v == hi):
         raise ValueError(f"Invalid {name}: {value}{where}")
 
 
 def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
-                           where: str = "", read_device: bool = True) -> None:
+                           where: str = "", read_device: bool = True, read_cpu: bool = True) -> None:
     """A hyperparameter that may also be a one-element tensor (betas, SGD's weight_decay), on the CPU or on
-    the params' device (the update reads it there: no host sync in step()). A CPU tensor's value is checked
-    every time; a device tensor's only when ``read_device`` (at construction and in add_param_group, where
-    torch reads it too), never in step()."""
+    the params' device (the update reads it there: no host sync in step()). A device tensor's value is read
+    only when ``read_device`` (at construction and in add_param_group, where torch reads it too), never in
+    step(). A CPU tensor's is read every time (no sync), except where ``read_cpu`` is False (a capturable
+    step reads no tensor) and under torch.compile: there the operator checks a CPU tensor's value, before
+    it writes anything."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element{where}")
@@ -72,11 +78,14 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
                              f"got one on {value.device}{where}")
         if value.device.type != "cpu" and not read_device:
             return
+        if value.device.type == "cpu" and (not read_cpu or torch.compiler.is_compiling()):
+            return
         value = value.item()
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
 
 
-def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = False, read_device: bool = True) -> None:
+def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = False, read_device: bool = True,
+                read_cpu: bool = True) -> None:
     """A pair of betas in [0, 1) ([0, 1] without ``hi_open``), torch's texts. ``tensors``: each may be a
     one-element tensor (both or neither), as torch's Adam allows; see check_scalar_or_tensor."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -84,7 +93,7 @@ def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = Fa
     for i, b in enumerate(betas):
         if tensors:
             check_scalar_or_tensor(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=hi_open, where=where,
-                                   read_device=read_device)
+                                   read_device=read_device, read_cpu=read_cpu)
         else:
             check_number(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=hi_open, where=where)
     if tensors and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
@@ -445,12 +454,7 @@ class FusedOptimizer(Optimizer):
         for gi, group in enumerate(self.param_groups):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
-            if not (torch.compiler.is_compiling() or group.get("capturable")):
-                # Under torch.compile a float hyperparameter that changes between steps (a scheduled lr)
-                # is a symbolic value that Python cannot compare, and a capturable step reads no tensor
-                # hyperparameter on the host; the operator checks every number it is given before it
-                # writes anything, so a bad one still raises (tensors are checked when they are set).
-                self._check_group(group, f" (param group {gi})", in_step=True)
+            self._check_group(group, f" (param group {gi})", in_step=True)
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:

@@ -44,7 +44,8 @@ class FusedAdam(FusedOptimizer):
     def _check_group(self, group, where, in_step=False) -> None:
         check_lr(group["lr"], where)
         check_number("epsilon value", group["eps"], where=where)
-        check_betas(group["betas"], where, tensors=True, read_device=not in_step)
+        check_betas(group["betas"], where, tensors=True, read_device=not in_step,
+                    read_cpu=not (in_step and group.get("capturable")))
         check_number("weight_decay value", group["weight_decay"], where=where)
 
     def _init_state(self, group, p, state) -> None:

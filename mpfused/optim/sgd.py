@@ -38,7 +38,8 @@ class FusedSGD(FusedOptimizer):
         check_lr(group["lr"], where)
         check_number("momentum value", group["momentum"], where=where)
         check_number("dampening value", group["dampening"], -math.inf, where=where)
-        check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step)
+        check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step,
+                               read_cpu=not (in_step and group.get("capturable")))
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening" + where)
 
