@@ -6,7 +6,10 @@
 // inline, in namespace mpf_torch.
 #pragma once
 
-#include <torch/extension.h>
+// ATen and the operator registry only: each op file compiles in a third of the time <torch/extension.h>
+// (pybind11, the whole C++ API) costs. bindings.cpp, the Python module, includes that one.
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
