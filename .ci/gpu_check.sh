@@ -21,7 +21,7 @@ if command -v "$SANITIZER" >/dev/null; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     "$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes all \
-      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests/test_overflow.py tests/test_optim.py tests/test_lamb.py \
+      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" -m "not profiler" tests/test_overflow.py tests/test_optim.py tests/test_lamb.py \
         tests/test_lion.py tests/test_scaler.py tests/test_gemm.py tests/test_nn.py tests/test_random.py \
         tests/test_fixed_point.py tests/test_optim_precision.py tests/test_torch_ops.py
   done

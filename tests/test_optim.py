@@ -532,6 +532,7 @@ def test_state_whose_strides_differ_only_on_size_one_dims_is_accepted(device):
 
 # ---- CUDA only (skipped without a GPU) -----------------------------------------------------------------
 @pytest.mark.cuda
+@pytest.mark.profiler
 @requires_cuda
 def test_cuda_step_is_sync_free_one_launch_and_graph_capturable():
     params = [torch.nn.Parameter(torch.randn(1000 + i, device="cuda").half()) for i in range(50)]
@@ -563,6 +564,7 @@ def test_cuda_step_is_sync_free_one_launch_and_graph_capturable():
 
 
 @pytest.mark.cuda
+@pytest.mark.profiler
 @requires_cuda
 def test_cuda_kernel_entry_without_a_counter_launches_the_step_increment_and_gives_the_same_bits():
     """Without a counter (the kernel entry's other path) a second, small launch advances the steps after

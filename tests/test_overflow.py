@@ -349,6 +349,7 @@ def test_wrong_python_types_are_rejected():
 
 # ---- CUDA-only properties (skipped without a GPU) ------------------------------------------------------
 @pytest.mark.cuda
+@pytest.mark.profiler
 @requires_cuda
 def test_cuda_no_host_sync_and_one_launch_per_list():
     tensors = [torch.randn(1000 + i, device="cuda").to(DTYPES[i % 3]) for i in range(200)]
@@ -366,6 +367,7 @@ def test_cuda_no_host_sync_and_one_launch_per_list():
 
 
 @pytest.mark.cuda
+@pytest.mark.profiler
 @requires_cuda
 def test_cuda_overwrite_mode_is_one_launch_with_no_memset():
     tensors = [torch.randn(1000 + i, device="cuda").to(DTYPES[i % 3]) for i in range(200)]

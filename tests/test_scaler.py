@@ -479,6 +479,7 @@ def test_cuda_iteration_never_syncs():
 
 
 @pytest.mark.cuda
+@pytest.mark.profiler
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_iteration_with_clipping_is_at_most_3_launches_per_group(dtype):
