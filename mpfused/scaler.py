@@ -14,7 +14,8 @@ pickling rules and its errors. What it changes:
   1/scale and the clip coefficient on the device, and update(): the scale update (csrc/core/loss_scale.h)
   in one tiny device launch. No step of it syncs the host with the device;
 - extras: hysteresis, opt-in min/max clamps, static scaling, a device-side count of skipped steps, and a
-  process_group whose ranks skip together and clip by the true global norm.
+  process_group (DDP, FSDP1) or a DTensor mesh (FSDP2, HSDP) whose ranks skip together and clip by the
+  true global norm; DTensor grads are checked on their local shards, with no gather.
 
 With torch's own optimizers (and any optimizer that sets ``_step_supports_amp_scaling``) step() follows
 torch's protocol exactly; a plain optimizer needs found_inf on the host once per iteration, as in torch.
@@ -35,7 +36,7 @@ from typing import Any, Optional
 import torch
 from torch.amp.grad_scaler import OptState
 
-from . import _ops
+from . import _dist, _ops
 from ._layout import flat, is_dense
 from .optim._base import FusedOptimizer, StepScaling, copy_to
 
@@ -44,6 +45,7 @@ __all__ = ["GradScaler"]
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLT_MAX = 3.4028234663852886e38
 _SHARDINGS = ("replicated", "sharded")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _CUDA_KERNELS = _ops.has_cuda_kernels()
 
 
@@ -125,7 +127,12 @@ class GradScaler(torch.amp.GradScaler):
     - ``process_group``: found_inf is all-reduced (MAX) so that every rank skips together, and
       clip_grad_norm_ clips by the global norm. Then ``grad_sharding`` is required: ``"replicated"``
       (DDP: every rank holds the whole gradient, so the local norm is the global one) or ``"sharded"``
-      (FSDP, ZeRO: each rank holds a part; the squares are summed over the ranks).
+      (FSDP1, ZeRO: each rank holds a part; the squares are summed over the ranks).
+    - DTensor grads (FSDP2, HSDP, tensor parallel) need no argument: the kernels take the local shards,
+      found_inf is all-reduced (MAX) over every rank of the grads' mesh, and a grad's squares are summed
+      over the mesh dims where it is sharded, not where it is replicated (HSDP: within the shard group).
+      ``device_mesh`` names that mesh explicitly (it must hold every rank of every grad's mesh): then every
+      rank joins the found_inf reduction even in an iteration where it holds no DTensor grad.
 
     Skipped steps: ``found_inf()`` (this or the last iteration's flag) and ``skipped_steps_async()`` (a
     device-side count kept by update()) never sync; ``skipped_steps`` and ``last_step_skipped`` do.
@@ -134,7 +141,8 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
-                 dynamic: bool = True, process_group=None, grad_sharding: Optional[str] = None) -> None:
+                 dynamic: bool = True, process_group=None, grad_sharding: Optional[str] = None,
+                 device_mesh=None) -> None:
         device = torch.device(device).type  # torch keeps the device type; the scale lives on the loss's device
         if enabled:
             _check_factors(growth_factor, backoff_factor)
@@ -151,6 +159,13 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError("with a process_group, grad_sharding must be 'replicated' (DDP: every rank holds the "
                              "whole gradient; the norm needs no reduction) or 'sharded' (FSDP, ZeRO: each rank holds "
                              f"a part; the squares are summed over the ranks), got {grad_sharding!r}")
+        if device_mesh is not None:
+            if process_group is not None or grad_sharding is not None:
+                raise ValueError("device_mesh is for DTensor grads, whose placements say how each norm is reduced: "
+                                 "give the scaler device_mesh, or process_group with grad_sharding (plain grads, DDP "
+                                 "and FSDP1), not both")
+            if not all(hasattr(device_mesh, a) for a in ("get_group", "ndim", "mesh")):
+                raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh, got {type(device_mesh).__name__}")
         if grad_sharding is not None and grad_sharding not in _SHARDINGS:
             raise ValueError(f"grad_sharding must be None, 'replicated' or 'sharded', got {grad_sharding!r}")
         with warnings.catch_warnings():
@@ -164,6 +179,7 @@ class GradScaler(torch.amp.GradScaler):
         self._dynamic = bool(dynamic)
         self._process_group = process_group
         self._grad_sharding = grad_sharding
+        self._device_mesh = device_mesh
         self._init_hysteresis_left = self._hysteresis
         self._init_skipped_steps = 0
         self._reset_device_extras()
@@ -240,19 +256,28 @@ class GradScaler(torch.amp.GradScaler):
         return apply(outputs)
 
     # ---- the gradient pass ------------------------------------------------------------------------------
-    @staticmethod
-    def _collect(optimizer, allow_fp16: bool, for_norm: bool = False) -> dict:
-        """The optimizer's gradients per device: (tensors for mpfused's kernel, {dtype: tensors for torch's
-        foreach op}). Everything is validated here, before any kernel runs on any device."""
-        per_device: dict = defaultdict(lambda: ([], defaultdict(list)))
+    def _collect(self, optimizer, allow_fp16: bool, for_norm: bool = False) -> tuple:
+        """The optimizer's gradients, in buckets keyed by (device, norm key): (tensors for mpfused's kernel,
+        {dtype: tensors for torch's foreach op}). A DTensor grad enters as its local shard; its norm key is
+        (mesh, the mesh dims its squares are summed over), a plain grad's is None (see _all_reduce). Returns
+        (buckets, the mesh whose ranks skip together, or None). Everything is validated here, before any
+        kernel runs on any device and before any collective."""
+        buckets: dict = defaultdict(lambda: ([], defaultdict(list)))
+        meshes: dict = {}  # mesh -> the first (group, param) index on it, for messages
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
+            for gi, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                     grad = param.grad
                     if grad is None:
                         continue
+                    key = None
+                    if type(grad) not in _PLAIN and _dist.is_dtensor(grad):
+                        meshes.setdefault(grad.device_mesh, (gi, i))
+                        dims = _dist.sum_dims(grad)
+                        key = (grad.device_mesh, dims) if dims else None  # replicated: local = global
+                        grad = _dist.local(grad)
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
@@ -262,32 +287,64 @@ class GradScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     view = _kernel_view(grad)
-                    kernel, other = per_device[grad.device]
+                    kernel, other = buckets[(grad.device, key)]
                     if view is not None:
                         kernel.append(view)
                     else:
                         other[grad.dtype].append(grad)
-        return per_device
+        return buckets, self._skip_mesh(meshes)
 
-    def _pass(self, per_device: dict, inv_scale: Optional[torch.Tensor], *, unscale: bool, sumsq: bool,
+    def _skip_mesh(self, meshes: dict):
+        """The mesh over which found_inf is reduced: the one the scaler was given (``device_mesh``), which
+        must hold every rank of every DTensor grad's mesh, or else the one mesh of the DTensor grads that
+        holds the others' ranks; None without either."""
+        if not meshes:
+            return self._device_mesh
+        where = lambda m: "param {1} of param group {0}".format(*meshes[m])  # noqa: E731
+        if self._process_group is not None:
+            m = next(iter(meshes))
+            raise ValueError(f"{where(m)} has a DTensor grad (on {m}), but this scaler was given a process_group; "
+                             "for DTensor grads (FSDP2, HSDP, tensor parallel) give it the mesh instead: "
+                             "GradScaler(..., device_mesh=mesh); it reduces each grad's norm by its placements")
+        if self._device_mesh is not None:
+            for m in meshes:
+                if not _dist.covers(self._device_mesh, m):
+                    raise ValueError(f"{where(m)} has a DTensor grad on {m}, a mesh this scaler was not told of (it was "
+                                     f"given device_mesh={self._device_mesh}, which does not hold all of that mesh's "
+                                     "ranks); give the scaler the mesh that holds every rank of the training job")
+            return self._device_mesh
+        mesh = _dist.common_mesh(meshes)
+        if mesh is None:
+            raise ValueError("the DTensor grads lie on several meshes, none of which holds the others' ranks "
+                             f"({', '.join(f'{m} ({where(m)})' for m in meshes)}); tell the scaler which ranks skip "
+                             "together: GradScaler(..., device_mesh=the mesh of the whole job)")
+        return mesh
+
+    def _pass(self, buckets: dict, inv_scale: Optional[torch.Tensor], *, unscale: bool, sumsq: bool,
               found_inf: Optional[torch.Tensor] = None):
-        """One multi-tensor pass per device: found_inf per device, optionally the unscale in place (by
-        inv_scale) and the sum of squares of the unscaled values. ``found_inf`` (optional) is the value each
-        device's flag starts from, as in torch's _unscale_grads_. Returns (found per device, sumsq and norm
-        on the scale's device, or None, None)."""
+        """One multi-tensor pass per bucket (see _collect): found_inf per device, optionally the unscale in
+        place (by inv_scale) and the sum of squares of the unscaled values per norm key. ``found_inf``
+        (optional) is the value each device's flag starts from, as in torch's _unscale_grads_. Returns
+        (found per device, {norm key: sum of squares on the scale's device} or None, the norm when one
+        launch computed it, else None)."""
         # the scale's device; a disabled scaler (clipping with a process_group) has none
         scale = getattr(self, "_scale", None)
-        home = scale.device if scale is not None else next(iter(per_device), torch.device("cpu"))
+        home = scale.device if scale is not None else next(iter(buckets), (torch.device("cpu"), None))[0]
         found_rep = _PerDevice(found_inf) if found_inf is not None else None
         inv_rep = _PerDevice(inv_scale) if inv_scale is not None else None
-        # The common case, every grad on the scale's device and all taken by our kernel: one launch writes
-        # found_inf, the sum of squares and the norm from scratch (no zero fills, no memset).
-        fresh = found_rep is None and set(per_device) == {home} and not per_device[home][1]
+        # The common case, every grad on the scale's device, one norm key and all taken by our kernel: one
+        # launch writes found_inf, the sum of squares and the norm from scratch (no zero fills, no memset).
+        fresh = (found_rep is None and len(buckets) == 1 and next(iter(buckets))[0] == home
+                 and not next(iter(buckets.values()))[1])
+        new = torch.empty if fresh else torch.zeros
         found: dict = {}
-        total = norm = None
-        for device, (kernel, other) in per_device.items():
-            new = torch.empty if fresh else torch.zeros
-            f = found_rep.get(device) if found_rep is not None else new((), dtype=torch.float32, device=device)
+        sums: Optional[dict] = {} if sumsq else None
+        norm = None
+        for (device, key), (kernel, other) in buckets.items():
+            f = found.get(device)
+            if f is None:
+                f = found_rep.get(device) if found_rep is not None else new((), dtype=torch.float32, device=device)
+                found[device] = f
             s = new((), dtype=torch.float32, device=device) if sumsq else None
             n = torch.empty((), dtype=torch.float32, device=device) if (fresh and sumsq) else None
             inv = None if inv_rep is None else (inv_scale if device == inv_scale.device else inv_rep.get(device))
@@ -301,53 +358,70 @@ class GradScaler(torch.amp.GradScaler):
                     # FP32 norms: an FP16 norm of scaled grads overflows to inf past 65504
                     part = torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
                     s.add_(part if (unscale or inv is None) else part * inv * inv)
-            found[device] = f
             if sumsq:
                 s = copy_to(s, home)
-                total = s if total is None else total + s
+                sums[key] = s if key not in sums else sums[key] + s
                 norm = n
-        if sumsq and total is None:  # no gradients at all: the norm is 0, as torch's clip_grad_norm_ says
-            total = torch.zeros((), dtype=torch.float32, device=home)
-        if sumsq and norm is None:
-            norm = total.sqrt()
-        return found, total, norm
+        return found, sums, norm
 
-    def _all_reduce(self, found: dict, total: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None):
-        """Across the process group: found_inf with MAX (every rank skips together); the sum of squares
-        with SUM for sharded grads only (replicated grads already hold the global norm)."""
-        if self._process_group is None:
-            return total, norm
-        import torch.distributed as dist
+    def _all_reduce(self, found: dict, mesh=None, sums: Optional[dict] = None, norm: Optional[torch.Tensor] = None):
+        """Across ranks, then the total sum of squares and the norm (None, None without ``sums``):
 
-        # Exactly one collective for found_inf (and one for a sharded sum), whatever this rank holds: ranks
-        # with grads on other devices, or none, must issue the same collectives or they hang.
+        - found_inf with MAX over every rank of the process group or of ``mesh`` (every rank skips
+          together, even where one replica's grads differ from another's);
+        - each norm key's sum of squares with SUM: a DTensor grad's over the mesh dims where it is sharded
+          (not where it is replicated: those ranks hold the same values); a plain grad's over the process
+          group only for grad_sharding='sharded' (replicated grads already hold the global norm).
+        """
         scale = getattr(self, "_scale", None)
-        home = scale.device if scale is not None else (total.device if total is not None else next(
-            iter(found), torch.device("cpu")))
-        flag = torch.zeros((), dtype=torch.float32, device=home)
-        for f in found.values():
-            flag = torch.maximum(flag, copy_to(f, home))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
-        for device in list(found):
-            found[device] = flag if device == home else copy_to(flag, device)
-        if not found:  # a rank without grads still skips (or steps) with the others
-            found[home] = flag
-        if total is not None and self._grad_sharding == "sharded":
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
+        home = scale.device if scale is not None else next(
+            iter(found), next((s.device for s in (sums or {}).values()), torch.device("cpu")))
+        if self._process_group is not None or mesh is not None:
+            # Exactly one reduction of found_inf, whatever this rank holds: ranks with grads on other
+            # devices, or none, must issue the same collectives or they hang.
+            flag = torch.zeros((), dtype=torch.float32, device=home)
+            for f in found.values():
+                flag = torch.maximum(flag, copy_to(f, home))
+            _dist.all_reduce_max(flag, mesh=mesh, group=self._process_group)
+            for device in list(found):
+                found[device] = flag if device == home else copy_to(flag, device)
+            if not found:  # a rank without grads still skips (or steps) with the others
+                found[home] = flag
+        if sums is None:
+            return None, None
+        reduced = False
+        for key, s in sums.items():
+            if key is not None:
+                _dist.all_reduce_sum(s, key[0], key[1])
+                reduced = True
+        if self._process_group is not None and self._grad_sharding == "sharded":
+            if None not in sums:  # this rank holds no plain grad: it still joins the sum
+                sums[None] = torch.zeros((), dtype=torch.float32, device=home)
+            import torch.distributed as dist
+
+            dist.all_reduce(sums[None], op=dist.ReduceOp.SUM, group=self._process_group)
+            reduced = True
+        total = None
+        for s in sums.values():
+            total = s if total is None else total + s
+        if total is None:  # no gradients at all: the norm is 0, as torch's clip_grad_norm_ says
+            total = torch.zeros((), dtype=torch.float32, device=home)
+        if norm is None or reduced or len(sums) != 1:
             norm = total.sqrt()
         return total, norm
 
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
-        """torch's contract (grads unscaled in place, returns {device: found_inf}), with mpfused's kernel
-        for what it takes. Every grad is validated before anything is unscaled."""
-        per_device = self._collect(optimizer, allow_fp16)
-        return self._pass(per_device, inv_scale, unscale=True, sumsq=False, found_inf=found_inf)[0]
+        """torch's contract (grads unscaled in place, returns {device: found_inf}, not reduced across ranks),
+        with mpfused's kernel for what it takes. Every grad is validated before anything is unscaled."""
+        return self._pass(self._collect(optimizer, allow_fp16)[0], inv_scale, unscale=True, sumsq=False,
+                          found_inf=found_inf)[0]
 
     def _check_inf_per_device(self, optimizer) -> dict:
         """found_inf per device of the (still scaled) grads, recorded for the optimizer; no unscale."""
         self._ready("_check_inf_per_device")
-        found = self._pass(self._collect(optimizer, True), None, unscale=False, sumsq=False)[0]
-        self._all_reduce(found)
+        buckets, mesh = self._collect(optimizer, True)
+        found = self._pass(buckets, None, unscale=False, sumsq=False)[0]
+        self._all_reduce(found, mesh)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -367,8 +441,9 @@ class GradScaler(torch.amp.GradScaler):
         if clip["max_norm"] is not None:
             inv = inv * self._clip_coef(clip["sumsq"], clip["max_norm"])
         zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        found = self._unscale_grads_(optimizer, inv, zero, True)
-        self._all_reduce(found)
+        buckets, mesh = self._collect(optimizer, True)
+        found = self._pass(buckets, inv, unscale=True, sumsq=False, found_inf=zero)[0]
+        self._all_reduce(found, mesh)
         state["found_inf_per_device"] = found
         state["stage"] = OptState.UNSCALED
         clip["max_norm"] = clip["sumsq"] = None
@@ -399,22 +474,25 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._ready("clip_grad_norm_")
             if isinstance(optimizer, FusedOptimizer) and norm_type == 2.0 and state["stage"] is OptState.READY:
-                found, total, norm = self._pass(self._collect(optimizer, True, for_norm=True), self._inv_scale,
-                                                  unscale=False, sumsq=True)
-                total, norm = self._all_reduce(found, total, norm)
+                buckets, mesh = self._collect(optimizer, True, for_norm=True)
+                found, sums, norm = self._pass(buckets, self._inv_scale, unscale=False, sumsq=True)
+                total, norm = self._all_reduce(found, mesh, sums, norm)
                 state["found_inf_per_device"] = found
                 clip["sumsq"], clip["max_norm"] = total, float(max_norm)
                 return norm
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self._process_group is None:
+        sharded = self._device_mesh is not None or any(_dist.is_dtensor(p.grad) for p in params)
+        if self._process_group is None and (not sharded or norm_type != 2.0):
+            # torch's clip (which reads DTensor grads' placements itself)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         if norm_type != 2.0:
             raise ValueError(f"with a process_group only norm_type=2.0 is supported, got {norm_type}")
         # Global 2-norm of the (now unscaled) gradients across ranks, then scale them in place.
-        found, total, norm = self._pass(self._collect(optimizer, True, for_norm=True), None, unscale=False, sumsq=True)
-        total, norm = self._all_reduce(found, total, norm)
+        buckets, mesh = self._collect(optimizer, True, for_norm=True)
+        found, sums, norm = self._pass(buckets, None, unscale=False, sumsq=True)
+        total, norm = self._all_reduce(found, mesh, sums, norm)
         if self._enabled:
             recorded = state["found_inf_per_device"]
             for device, f in found.items():
@@ -428,7 +506,8 @@ class GradScaler(torch.amp.GradScaler):
     def _grads_by_device(params) -> dict:
         by_device: dict = defaultdict(list)
         for p in params:
-            by_device[p.grad.device].append(p.grad)
+            g = _dist.local(p.grad)
+            by_device[g.device].append(g)
         return by_device
 
     # ---- step and update ----------------------------------------------------------------------------------

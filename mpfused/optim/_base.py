@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from .. import _ops
+from .. import _dist, _ops
 from .._layout import is_dense, like, same_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -197,7 +197,10 @@ def check_capturable(group: dict, params: list, scaling: "StepScaling", where: s
 
 def join_master(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The FP32 master of a BF16 param and its int16 remainder: bits (param << 16) + remainder, in p's
-    layout (used when a group leaves master_weights='remainder' for FP32 masters)."""
+    layout (used when a group leaves master_weights='remainder' for FP32 masters). DTensors: shard by shard."""
+    if _dist.is_dtensor(p):
+        shard = join_master(_dist.local(p), _dist.local(remainder))
+        return type(p).from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     hi = p.detach().view(torch.int16).to(torch.int64) & 0xFFFF
     bits = ((hi << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
@@ -323,6 +326,7 @@ class FusedOptimizer(Optimizer):
                         f"optimizer contains a parameter group with duplicate parameters: param {i} of param group "
                         f"{index} is param {seen[id(p)]} again (a fused step updates each tensor once)")
                 seen[id(p)] = i
+            self._check_kinds(group, f" (param group {index})")
             check_precision(group, f" (param group {index})")
             for i, p in enumerate(group["params"]):
                 check_remainder_dtype(group, f" of param group {index}", i, p)
@@ -332,6 +336,31 @@ class FusedOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop(index)
             raise
+
+    # Whether the policy is element-wise (each element's update reads only that element): then a sharded
+    # DTensor param's update is its local shard's. LAMB's trust ratio reads whole-param norms: False.
+    _elementwise = True
+
+    def _check_kinds(self, group: dict, where: str) -> bool:
+        """A group's params are all plain tensors or all DTensors (one fused pass takes local shards or plain
+        tensors, and a scaler or clip cannot tell a plain tensor's placement); a ValueError otherwise, and a
+        NotImplementedError for a policy that is not element-wise on sharded DTensors. Returns whether the
+        group's params are DTensors."""
+        params = group["params"]
+        kinds = [_dist.is_dtensor(p) for p in params]
+        if any(kinds) and not all(kinds):
+            i, j = kinds.index(True), kinds.index(False)
+            raise ValueError(f"param group mixes DTensor and plain params (param {i} is a {_dist.describe(params[i])}, "
+                             f"param {j} a plain tensor){where}; put the plain params in a group of their own, or "
+                             "make them DTensors (e.g. fully_shard the module that owns them)")
+        if any(kinds) and not self._elementwise:
+            for i, p in enumerate(params):
+                if _dist.sum_dims(p):
+                    raise NotImplementedError(
+                        f"{type(self).__name__} needs each param's whole-tensor norms, but param {i}{where} is a "
+                        f"{_dist.describe(p)} whose local shard is a part of it; shard it with an element-wise "
+                        "optimizer (FusedAdam, FusedAdamW, FusedSGD, FusedLion) or replicate it")
+        return bool(kinds) and kinds[0]
 
     def _check_group(self, group: dict, where: str, in_step: bool = False) -> None:
         """Raises for an invalid hyperparameter of ``group``; ``where`` ends the message. ``in_step``: the
@@ -407,11 +436,46 @@ class FusedOptimizer(Optimizer):
                 and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p)))
 
     @staticmethod
-    def _check_param(where: str, p: torch.Tensor) -> None:
-        if not is_plain_tensor(p) or not is_plain_tensor(p.grad):
-            bad = p if not is_plain_tensor(p) else p.grad
-            raise TypeError(f"{where}: the fused optimizers take plain tensors, got a {type(bad).__name__} "
-                            f"{'param' if bad is p else 'grad'} (a tensor subclass such as DTensor)")
+    def _param_kind_ok(p) -> bool:
+        return type(p) in _PLAIN_TYPES
+
+    @classmethod
+    def _dtensor_ok(cls, p) -> bool:
+        """The common case of a DTensor param (FSDP2's): its grad a DTensor on the same mesh with the same
+        placements, and their local shards what _param_ok asks of plain tensors."""
+        g = p.grad
+        if type(g) is not type(p) or g.device_mesh is not p.device_mesh or g.placements != p.placements:
+            return False
+        lp, lg = _dist.local(p), _dist.local(g)
+        return (type(lp) in _PLAIN_TYPES and type(lg) in _PLAIN_TYPES and lp.dtype in SUPPORTED_DTYPES
+                and lg.dtype == lp.dtype and lp.layout == torch.strided and lg.layout == torch.strided
+                and lg.shape == lp.shape and g.shape == p.shape and lg.device == lp.device
+                and lg.stride() == lp.stride() and (lp.is_contiguous() or is_dense(lp)))
+
+    @classmethod
+    def _check_dtensor_param(cls, where: str, p) -> None:
+        _dist.check_same_spec(where, p, p.grad)
+        lp, lg = _dist.local(p), _dist.local(p.grad)
+        if not is_plain_tensor(lp) or not is_plain_tensor(lg):
+            raise TypeError(f"{where}: the DTensor's local shard is a {type(lp).__name__}; the fused optimizers "
+                            "take DTensors whose local shards are plain tensors")
+        cls._check_param(where + " (local shard)", lp, lg)
+        if lg.stride() != lp.stride() and not same_layout(lg, lp):
+            raise ValueError(f"{where}: the grad's local shard has strides {lg.stride()} but the param's has "
+                             f"{lp.stride()}; the fused update pairs them element by element")
+
+    @staticmethod
+    def _check_param(where: str, p: torch.Tensor, g: Optional[torch.Tensor] = None) -> None:
+        """The checks of a param and its grad (``p.grad`` unless ``g`` is given: a DTensor's local shards)."""
+        g = p.grad if g is None else g
+        if _dist.is_dtensor(p) != _dist.is_dtensor(g):
+            dt, plain = ("param", "grad") if _dist.is_dtensor(p) else ("grad", "param")
+            raise TypeError(f"{where}: the {dt} is a DTensor but the {plain} is a plain {type(p if plain == 'param' else g).__name__}; "
+                            "both must be DTensors with the same placements")
+        if not is_plain_tensor(p) or not is_plain_tensor(g):
+            bad = p if not is_plain_tensor(p) else g
+            raise TypeError(f"{where}: the fused optimizers take plain tensors or DTensors, got a {type(bad).__name__} "
+                            f"{'param' if bad is p else 'grad'}")
         if p.is_complex() or not p.is_floating_point():
             raise ValueError(f"{where}: the fused optimizers update float32/float16/bfloat16 params, got {p.dtype}")
         if p.dtype not in SUPPORTED_DTYPES:
@@ -421,7 +485,6 @@ class FusedOptimizer(Optimizer):
         if not is_dense(p):
             raise ValueError(f"{where}: params must be dense: contiguous, channels_last or another permutation of a "
                              f"contiguous tensor (got strides {p.stride()} for shape {tuple(p.shape)})")
-        g = p.grad
         if g.is_sparse:
             raise ValueError(f"{where}: sparse gradients are not supported by the fused optimizers")
         if g.shape != p.shape:
@@ -455,20 +518,29 @@ class FusedOptimizer(Optimizer):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
             self._check_group(group, f" (param group {gi})", in_step=True)
+            sharded = bool(group["params"]) and not self._param_kind_ok(group["params"][0]) and \
+                self._check_kinds(group, f" (param group {gi})")
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
-                    if not self._param_ok(p):
+                    if sharded:
+                        if not self._dtensor_ok(p):
+                            self._check_dtensor_param(f"param {i} of param group {gi}", p)
+                    elif not self._param_ok(p):
+                        if _dist.is_dtensor(p):
+                            self._check_kinds(group, f" (param group {gi})")
                         self._check_param(f"param {i} of param group {gi}", p)
                     if remainder:
                         check_remainder_dtype(group, f" of param group {gi}", i, p)
                     params.append(p)
                 if stochastic:
-                    offsets[id(p)] = start
+                    # a DTensor's shard starts at its first element's index in the global param
+                    offsets[id(p)] = start + (_dist.flat_offset(p, f"param {i} of param group {gi}") if sharded
+                                              and group.get("rounding") == "stochastic" else 0)
                     start += p.numel()
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
-            work.append((group, params))
+            work.append((group, params, sharded))
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
                 group["seed"] = self._default_seed()
@@ -497,7 +569,7 @@ class FusedOptimizer(Optimizer):
         # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        for group, params in work:
+        for group, params, sharded in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
                 buckets[p.device].append(p)
@@ -510,13 +582,23 @@ class FusedOptimizer(Optimizer):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
                     lr = copy_to(lr, device, torch.float32).reshape(1)
-                self._fused_step(group, ps, grads, states, lr, device_scalars(device), self._counter(device),
+                # DTensors: the kernels update the local shards (the same memory as the DTensors)
+                kps, kgrads, kstates = self._local_views(ps, grads, states) if sharded else (ps, grads, states)
+                self._fused_step(group, kps, kgrads, kstates, lr, device_scalars(device), self._counter(device),
                                  write_grad)
                 if write_grad:
                     for p, g in zip(ps, grads):
                         if g is not p.grad:  # the grad went through a copy
                             p.grad.copy_(g)
         return loss
+
+    @staticmethod
+    def _local_views(params: list, grads: list, states: list) -> tuple:
+        """DTensor params, grads and state as their local shards (the step's own ``self.state`` keeps the
+        DTensors; only the kernel call sees the shards)."""
+        local = _dist.local
+        return ([local(p) for p in params], [local(g) for g in grads],
+                [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in states])
 
     def _own_clip(self, work: list, scaling: StepScaling) -> Optional[tuple]:
         """A clip the optimizer itself needs when the scaler gave none: ``(sumsq, max_norm)`` or None
@@ -561,7 +643,11 @@ class FusedOptimizer(Optimizer):
 
     # ---- state dict ---------------------------------------------------------------------------------
     def _load_value(self, param: torch.Tensor, key, value):
+        if isinstance(value, torch.Tensor) and key != "step" and (_dist.is_dtensor(param) or _dist.is_dtensor(value)):
+            return self._load_sharded_value(param, key, value)
         if key == "step":
+            if _dist.is_dtensor(value):  # a replicated count: every shard holds it
+                value = _dist.local(value)
             return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(())
         if key == "master_remainder" and isinstance(value, torch.Tensor):
             # int16 bits, never cast through a float dtype, in the param's memory layout
@@ -577,6 +663,43 @@ class FusedOptimizer(Optimizer):
                 return like(value, param, torch.float32)
             return value.to(device=param.device, dtype=torch.float32).contiguous()
         return value
+
+    @staticmethod
+    def _load_sharded_value(param: torch.Tensor, key, value: torch.Tensor) -> torch.Tensor:
+        """A state tensor where the param or the value is a DTensor (FSDP2, a DCP checkpoint): state of a
+        DTensor param is a DTensor with the param's mesh and placements (float32; int16 for a remainder).
+        A saved DTensor with other placements is redistributed (every rank loads, so every rank joins); a
+        plain value of the param's global shape is cut to this rank's shard (no communication)."""
+        dtype = torch.int16 if key == "master_remainder" else torch.float32
+        if key == "master_remainder" and value.dtype != torch.int16:
+            raise ValueError(f"state 'master_remainder' must be an int16 tensor, got {value.dtype}")
+        if not (value.is_floating_point() or key == "master_remainder"):
+            return value
+        if not _dist.is_dtensor(param):
+            # a sharded checkpoint loaded into an unsharded param: the whole value (a collective)
+            return FusedOptimizer._load_value_plain(param, dtype, value.full_tensor())
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"state {key!r} has shape {tuple(value.shape)} but its param has shape {tuple(param.shape)}")
+        if not _dist.is_dtensor(value):
+            return _dist.shard_like(value.to(dtype), param)
+        if value.device_mesh != param.device_mesh:
+            raise ValueError(f"state {key!r} is a {_dist.describe(value)} but its param is a {_dist.describe(param)}: "
+                             "load the state dict through torch.distributed.checkpoint.state_dict"
+                             ".set_optimizer_state_dict, which reshards it")
+        if tuple(value.placements) != tuple(param.placements):
+            value = value.redistribute(param.device_mesh, param.placements)
+        shard = _dist.local(value).to(device=_dist.local(param).device, dtype=dtype)
+        lp = _dist.local(param)
+        if shard.shape == lp.shape and is_dense(lp) and not same_layout(shard, lp):
+            shard = like(shard, lp, dtype)
+        return type(param).from_local(shard, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                      stride=param.stride())
+
+    @staticmethod
+    def _load_value_plain(param: torch.Tensor, dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
+        if value.shape == param.shape and is_dense(param):
+            return like(value, param, dtype)
+        return value.to(device=param.device, dtype=dtype).contiguous()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our own state dicts and torch.optim's (Adam, AdamW, SGD): FP32 state stays FP32, a missing

@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from .. import _ops
+from .. import _dist, _ops
 from .._layout import flat, is_dense
 from ._base import FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_lr, check_number, copy_to
 
@@ -32,6 +32,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     _policy = "lamb"
+    _elementwise = False  # the trust ratio reads whole-param norms
     _state_float_keys = ("exp_avg", "exp_avg_sq", "master_param")
 
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-6,
@@ -86,7 +87,7 @@ class FusedLAMB(FusedOptimizer):
             return None
         by_device: dict[torch.device, list] = defaultdict(list)
         for p in params:
-            g = p.grad
+            g = _dist.local(p.grad)  # a DTensor here is replicated (_check_kinds): its shard is the whole grad
             by_device[p.device].append(flat(g) if is_dense(g) else g.contiguous())
         total = None
         for device, grads in by_device.items():
