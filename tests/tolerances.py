@@ -159,3 +159,16 @@ SR_FP16_SUBNORMAL_RESOLUTION = 2.0**-16
 # Both stay far below 1e-5; a clip that did not happen, or happened twice, moves the weights by 1e-3 or more
 # (the tests assert that gap too).
 FRAMEWORK_RUN_ATOL = 1e-5
+
+# FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): both runs compute the forward and backward in BF16
+# from FP32 sharded params that the two optimizers keep a few FP32 ulp apart (OPTIM_FP32_ATOL). Where such
+# a pair straddles a BF16 rounding boundary, the two forwards see params one BF16 ulp (2^-8 relative)
+# apart: the losses may then differ by about that much in relative terms (2^-7 leaves a factor 2), and the
+# next Adam steps (each moves a param by about lr times a normalised gradient) by lr * 2^-7 per step. A
+# step that did not happen, or happened unscaled, moves losses and params by far more (lr 1e-2 per step).
+# The same holds for a BF16-param run resumed from a checkpoint on another number of ranks
+# (tests/test_dcp.py): the gradients are reduced in FP32 in another order, then cast to the params' BF16,
+# so a gradient may land one BF16 ulp away, and each Adam step moves its FP32 master by at most about
+# lr * 2^-8 more (measured: 1.2e-4 after 3 steps at lr 1e-2; the bound below allows 8 such steps).
+DIST_BF16_LOSS_RTOL = 2.0**-7
+DIST_BF16_PARAM_ATOL = 4 * 1e-2 * 2.0**-7

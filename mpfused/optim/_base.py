@@ -535,8 +535,12 @@ class FusedOptimizer(Optimizer):
                     params.append(p)
                 if stochastic:
                     # a DTensor's shard starts at its first element's index in the global param
-                    offsets[id(p)] = start + (_dist.flat_offset(p, f"param {i} of param group {gi}") if sharded
-                                              and group.get("rounding") == "stochastic" else 0)
+                    # (keyed by the tensor the kernel call sees: a DTensor's local shard)
+                    if sharded:
+                        offsets[id(_dist.local(p))] = start + (_dist.flat_offset(p, f"param {i} of param group {gi}")
+                                                               if group.get("rounding") == "stochastic" else 0)
+                    else:
+                        offsets[id(p)] = start
                     start += p.numel()
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")

@@ -82,7 +82,7 @@ class FusedLAMB(FusedOptimizer):
     def _own_clip(self, work: list, scaling: StepScaling) -> Optional[tuple]:
         """The global norm max_grad_norm needs: the sum of squares of every unscaled gradient of the step, in
         one multi-tensor pass per device (found_inf is the scaler's business; the flag here is scratch)."""
-        params = [p for _, ps in work for p in ps]
+        params = [p for _, ps, _ in work for p in ps]
         if not params or not any(g["max_grad_norm"] > 0 for g in self.param_groups):
             return None
         by_device: dict[torch.device, list] = defaultdict(list)

@@ -1,0 +1,353 @@
+"""mpfused's optimizers and scaler on torch's distributed engines, 2 and 4 gloo ranks on the CPU: FSDP2
+(``fully_shard``: DTensor params sharded on dim 0, some ranks holding empty shards), HSDP on a 2x2 mesh
+(replicate x shard), DDP, and FSDP1 (which needs one accelerator per rank: skipped here, with the reason).
+
+Each setup trains the same model on the same data with our FusedAdamW (or FusedSGD) + mpfused.GradScaler +
+its fused clip, and with torch's AdamW (SGD) + torch.amp.GradScaler + torch's clip for that setup. Losses,
+grad norms and params must agree, the scale must follow the same path, and be equal on every rank; a
+forced overflow on one rank must make every rank skip. Bad setups must raise a clear error on every rank
+(never hang: each run is bounded by tests/dist_helpers.py).
+
+One spawn per world size runs every case, to stay fast on a 2-core machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpfused
+from dist_helpers import run_ranks
+from mpfused.optim import FusedAdamW, FusedLAMB, FusedSGD
+from tolerances import DIST_BF16_LOSS_RTOL, DIST_BF16_PARAM_ATOL, DIST_NORM_RTOL, OPTIM_FP32_ATOL, OPTIM_LOSS_RTOL
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+STEPS = 4
+MAX_NORM = 0.5
+LR = 1e-2
+BATCH = 8  # the global batch; each rank takes BATCH // world rows
+
+
+def _model():
+    torch.manual_seed(0)
+    # 3 output rows: on 4 ranks the last layer's dim-0 shards are 1, 1, 1 and 0 rows (an empty shard)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def _data(rank, world, steps=STEPS):
+    g = torch.Generator().manual_seed(1)
+    rows = BATCH // world
+    out = []
+    for _ in range(steps):
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+        out.append((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
+    return out
+
+
+def _wrap(kind, world, param_dtype=None, model_dtype=None):
+    """The model under one of torch's engines: (model, mesh or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = _model()
+    if model_dtype is not None:
+        m = m.to(model_dtype)
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(m), None
+    if kind == "fsdp1":  # one GPU per rank (NCCL): FlatParameters, plain tensors, each rank a shard
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(m.cuda(), device_id=torch.cuda.current_device()), None
+    if kind in ("fsdp2", "hsdp"):
+        mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)) if kind == "fsdp2" else
+                init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+            MixedPrecisionPolicy()
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+        return m, mesh
+    raise ValueError(kind)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_rank=None, overflow_step=None,
+           scaler_mesh=False):
+    """A few clipped, scaled steps; returns losses, norms, scales, skipped steps, the params' full values and
+    whether a step left every param unchanged (per step)."""
+    model, mesh = _wrap(kind, world, param_dtype)
+    params = list(model.parameters())
+    device = "cuda" if kind == "fsdp1" else "cpu"
+    if optim == "adamw":
+        opt = (FusedAdamW if ours else torch.optim.AdamW)(params, lr=LR, weight_decay=0.1)
+    else:
+        opt = (FusedSGD if ours else torch.optim.SGD)(params, lr=LR * 10, momentum=0.9)
+    if ours:
+        kw = {}
+        if kind == "ddp":
+            kw = dict(process_group=dist.group.WORLD, grad_sharding="replicated")
+        elif kind == "fsdp1":
+            kw = dict(process_group=dist.group.WORLD, grad_sharding="sharded")
+        elif scaler_mesh:
+            kw = dict(device_mesh=mesh)
+        scaler = mpfused.GradScaler(device, init_scale=2.0**10, growth_interval=2, **kw)
+    else:
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
+    losses, norms, scales, unchanged = [], [], [], []
+    for step, (x, y) in enumerate(_data(rank, world)):
+        x, y = x.to(device), y.to(device)
+        before = [_full(p) for p in params]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == overflow_step and rank == overflow_rank:
+            g = params[0].grad
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
+        if ours:
+            norm = scaler.clip_grad_norm_(opt, MAX_NORM)
+        else:
+            scaler.unscale_(opt)
+            clip = model.clip_grad_norm_ if kind == "fsdp1" else lambda n: torch.nn.utils.clip_grad_norm_(params, n)
+            norm = _full(clip(MAX_NORM))
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+        norms.append(float(norm))
+        scales.append(scaler.get_scale())
+        unchanged.append(all(torch.equal(a, _full(b)) for a, b in zip(before, params)))
+    skipped = scaler.skipped_steps if ours else None
+    return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped,
+                params=[_full(p).float().cpu() for p in params], opt=opt)
+
+
+def _compare(case, a, b):
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=OPTIM_LOSS_RTOL, atol=0,
+                               msg=lambda m: f"{case}: losses: {m}")
+    torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), rtol=DIST_NORM_RTOL, atol=0,
+                               msg=lambda m: f"{case}: grad norms: {m}")
+    assert a["scales"] == b["scales"], (case, a["scales"], b["scales"])
+    for p, q in zip(a["params"], b["params"]):
+        torch.testing.assert_close(p, q, rtol=0, atol=OPTIM_FP32_ATOL, msg=lambda m: f"{case}: params: {m}")
+
+
+def _bad_setups(rank, world):
+    """Every bad setup raises the same clear error on every rank (returned as text), before any collective
+    that could leave another rank waiting."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    model, mesh = _wrap("fsdp2", world)
+    plain = torch.nn.Parameter(torch.zeros(3))
+    dparams = list(model.parameters())
+
+    def err(name, fn):
+        try:
+            fn()
+        except (ValueError, TypeError, NotImplementedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        else:
+            out[name] = None
+
+    err("mixed group", lambda: FusedAdamW(dparams + [plain], lr=LR))
+    opt = FusedAdamW(dparams[:-1], lr=LR)
+    err("mixed group added", lambda: opt.add_param_group({"params": [plain, dparams[-1]]}))
+    opt.add_param_group({"params": [dparams[-1]]})
+    err("lamb sharded", lambda: FusedLAMB(dparams, lr=LR))
+    err("mesh and process_group", lambda: mpfused.GradScaler("cpu", device_mesh=mesh, process_group=dist.group.WORLD,
+                                                             grad_sharding="sharded"))
+    x, y = _data(rank, world)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    # a mesh the scaler was not told of: it names a sub-mesh of world/2 ranks, the grads span all ranks
+    sub = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))["a"]
+    scaler = mpfused.GradScaler("cpu", device_mesh=sub)
+    scaler.scale(torch.ones(()))
+    err("untold mesh", lambda: scaler.clip_grad_norm_(opt, 1.0))
+    scaler = mpfused.GradScaler("cpu", process_group=dist.group.WORLD, grad_sharding="sharded")
+    scaler.scale(torch.ones(()))
+    err("process_group with DTensor grads", lambda: scaler.unscale_(opt))
+    before = [_full(p) for p in dparams]
+    # a grad whose placements differ from its param's
+    from torch.distributed.tensor import Replicate
+    g0 = dparams[0].grad
+    dparams[0].grad = g0.redistribute(g0.device_mesh, [Replicate()])
+    err("grad placements", lambda: opt.step())
+    out["untouched"] = all(torch.equal(a, _full(b)) for a, b in zip(before, dparams)) and not opt.state
+    dparams[0].grad = g0
+    dist.barrier()  # every rank got here: nothing hung
+    return out
+
+
+def _stochastic_and_loading(rank, world):
+    """Sharding-invariant results: a step with rounding='stochastic' keys each element's random bits by its
+    index in the global param, so the full params after the step do not depend on the number of ranks;
+    and a plain (unsharded) state dict loaded into a sharded optimizer is cut into this rank's shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full_p, full_g = _sr_inputs()
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in full_p]
+    for p, g in zip(params, full_g):
+        p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    opt = FusedAdamW(params, lr=1e-3, rounding="stochastic", seed=7)
+    opt.step()
+    stepped = [p.full_tensor() for p in params]
+    # a plain optimizer's state dict (same params, one step) loaded into this sharded one
+    plain = [torch.nn.Parameter(p.clone()) for p in full_p]
+    for p, g in zip(plain, full_g):
+        p.grad = g.clone()
+    ref = FusedAdamW(plain, lr=1e-3)
+    ref.step()
+    ref.step()
+    opt.load_state_dict(ref.state_dict())
+    loaded = [{k: v.full_tensor() for k, v in opt.state[p].items() if k != "step"} for p in params]
+    kinds = {type(v).__name__ for p in params for k, v in opt.state[p].items() if k != "step"}
+    return dict(stepped=stepped, loaded=loaded, kinds=kinds)
+
+
+def _sr_inputs():
+    g = torch.Generator().manual_seed(5)
+    # dim 0 of 7 and 3 rows: uneven shards on 2 and 4 ranks, and an empty one on 4
+    shapes = [(7, 5), (3,), (2, 4)]
+    full_p = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    full_g = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    return full_p, full_g
+
+
+def _cases(rank, world):
+    out = {"sharding-invariant": _stochastic_and_loading(rank, world)}
+    kinds = ["fsdp2", "ddp"] + (["hsdp"] if world == 4 else [])
+    for kind in kinds:
+        for ours in (True, False):
+            out[(kind, ours)] = _train(kind, world, rank, ours, scaler_mesh=kind == "hsdp")
+        # every rank skips when one rank's grads overflow, and backs off its scale alike
+        out[(kind, "overflow")] = _train(kind, world, rank, True, overflow_rank=world - 1, overflow_step=1,
+                                         scaler_mesh=kind == "hsdp")
+    for ours in (True, False):
+        out[("fsdp2-sgd", ours)] = _train("fsdp2", world, rank, ours, optim="sgd")
+        # FSDP2 mixed precision: FP32 sharded params, BF16 compute, FP32 gradient reduction
+        out[("fsdp2-bf16", ours)] = _train("fsdp2", world, rank, ours, param_dtype=torch.bfloat16)
+    for r in out.values():
+        r.pop("opt", None)
+    out["bad"] = _bad_setups(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def runs(request):
+    world = request.param
+    return world, run_ranks(_cases, world)
+
+
+def test_fsdp2_hsdp_ddp_match_torch(runs):
+    world, results = runs
+    for rank, r in enumerate(results):
+        for kind in ("fsdp2", "ddp", "fsdp2-sgd") + (("hsdp",) if world == 4 else ()):
+            _compare(f"{kind} rank {rank}", r[(kind, True)], r[(kind, False)])
+    for kind in ("fsdp2", "ddp") + (("hsdp",) if world == 4 else ()):
+        # the norm is global and the scale the same on every rank; the params are the same model
+        for r in results[1:]:
+            assert r[(kind, True)]["norms"] == results[0][(kind, True)]["norms"], kind
+            assert r[(kind, True)]["scales"] == results[0][(kind, True)]["scales"], kind
+            for p, q in zip(r[(kind, True)]["params"], results[0][(kind, True)]["params"]):
+                assert torch.equal(p, q), kind
+
+
+def test_fsdp2_bf16_compute_matches_torch(runs):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the same forward in BF16 on both sides."""
+    _, results = runs
+    for rank, r in enumerate(results):
+        a, b = r[("fsdp2-bf16", True)], r[("fsdp2-bf16", False)]
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=DIST_BF16_LOSS_RTOL,
+                                   atol=0)
+        assert a["scales"] == b["scales"]
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=DIST_BF16_PARAM_ATOL)
+
+
+def test_stochastic_rounding_and_state_loading_do_not_depend_on_sharding(runs):
+    _, results = runs
+    full_p, full_g = _sr_inputs()
+    plain = [torch.nn.Parameter(p.clone()) for p in full_p]
+    for p, g in zip(plain, full_g):
+        p.grad = g.clone()
+    opt = FusedAdamW(plain, lr=1e-3, rounding="stochastic", seed=7)
+    opt.step()
+    ref = FusedAdamW([torch.nn.Parameter(p.clone()) for p in full_p], lr=1e-3)
+    for p, g in zip(ref.param_groups[0]["params"], full_g):
+        p.grad = g.clone()
+    ref.step()
+    ref.step()
+    for rank, r in enumerate(results):
+        inv = r["sharding-invariant"]
+        for a, b in zip(inv["stepped"], plain):
+            assert torch.equal(a, b.detach()), rank  # bit for bit, whatever the sharding
+        assert inv["kinds"] == {"DTensor"}, inv["kinds"]
+        for loaded, p in zip(inv["loaded"], ref.param_groups[0]["params"]):
+            assert set(loaded) == {"exp_avg", "exp_avg_sq", "master_param"}
+            for k, v in loaded.items():
+                assert torch.equal(v, ref.state[p][k]), (rank, k)
+
+
+def test_overflow_on_one_rank_skips_every_rank(runs):
+    world, results = runs
+    for kind in ("fsdp2", "ddp") + (("hsdp",) if world == 4 else ()):
+        scales = {tuple(r[(kind, "overflow")]["scales"]) for r in results}
+        assert len(scales) == 1, (kind, scales)  # the same scale on every rank, every step
+        for rank, r in enumerate(results):
+            o = r[(kind, "overflow")]
+            assert o["unchanged"] == [False, True, False, False], (kind, rank, o["unchanged"])
+            assert o["skipped"] == 1, (kind, rank)
+            # step 0 clean, step 1 overflows: 1024 -> 512, then two clean steps grow it back (interval 2)
+            assert o["scales"] == [1024.0, 512.0, 512.0, 1024.0], (kind, rank, o["scales"])
+
+
+def test_bad_setups_raise_clear_errors_on_every_rank(runs):
+    _, results = runs
+    expect = {
+        "mixed group": ("ValueError", "mixes DTensor and plain params"),
+        "mixed group added": ("ValueError", "mixes DTensor and plain params"),
+        "lamb sharded": ("NotImplementedError", "whole-tensor norms"),
+        "mesh and process_group": ("ValueError", "not both"),
+        "untold mesh": ("ValueError", "a mesh this scaler was not told of"),
+        "process_group with DTensor grads": ("ValueError", "device_mesh=mesh"),
+        "grad placements": ("ValueError", "same mesh and placements"),
+    }
+    for rank, r in enumerate(results):
+        bad = r["bad"]
+        for name, (kind, text) in expect.items():
+            assert bad[name] is not None, (rank, name, "no error")
+            assert bad[name].startswith(kind) and text in bad[name], (rank, name, bad[name])
+        assert bad["untouched"], rank
+
+
+def _fsdp1_cases(rank, world):
+    torch.cuda.set_device(rank)
+    out = {ours: _train("fsdp1", world, rank, ours) for ours in (True, False)}
+    out["overflow"] = _train("fsdp1", world, rank, True, overflow_rank=world - 1, overflow_step=1)
+    for r in out.values():
+        r.pop("opt", None)
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp1_matches_torch(world):
+    """FSDP1 (FlatParameter: plain tensors, each rank a shard): our scaler with process_group and
+    grad_sharding='sharded' against torch.amp.GradScaler + FSDP1's own clip_grad_norm_. torch's FSDP1
+    refuses CPU-only processes ("FSDP needs a non-CPU accelerator device"), so this needs a GPU per rank
+    (NCCL); tests/test_scaler_distributed.py covers the same sharded-norm math on the CPU, with plain
+    tensors sharded by hand."""
+    if torch.cuda.device_count() < world or not dist.is_nccl_available():
+        pytest.skip(f"FSDP1 needs one GPU per rank and NCCL: {world} ranks, {torch.cuda.device_count()} GPU(s) here")
+    results = run_ranks(_fsdp1_cases, world, backend="nccl")
+    for rank, r in enumerate(results):
+        _compare(f"fsdp1 rank {rank}", r[True], r[False])
+        assert r["overflow"]["unchanged"] == [False, True, False, False] and r["overflow"]["skipped"] == 1
+        assert r["overflow"]["scales"] == results[0]["overflow"]["scales"] == [1024.0, 512.0, 512.0, 1024.0]
