@@ -46,7 +46,7 @@ def _data(rank, world, steps=STEPS):
     return out
 
 
-def _wrap(kind, world, param_dtype=None, model_dtype=None):
+def _wrap(kind, world, param_dtype=None, model_dtype=None, round_init=None):
     """The model under one of torch's engines: (model, mesh or None)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -54,6 +54,8 @@ def _wrap(kind, world, param_dtype=None, model_dtype=None):
     m = _model()
     if model_dtype is not None:
         m = m.to(model_dtype)
+    if round_init is not None:  # FP32 params that start from the values a 16-bit model starts from
+        m = m.to(round_init).float()
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(m), None
     if kind == "fsdp1":  # one GPU per rank (NCCL): FlatParameters, plain tensors, each rank a shard
@@ -78,14 +80,15 @@ def _full(t):
 
 
 def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_rank=None, overflow_step=None,
-           scaler_mesh=False):
+           scaler_mesh=False, model_dtype=None, master_weights=None, round_init=None):
     """A few clipped, scaled steps; returns losses, norms, scales, skipped steps, the params' full values and
     whether a step left every param unchanged (per step)."""
-    model, mesh = _wrap(kind, world, param_dtype)
+    model, mesh = _wrap(kind, world, param_dtype, model_dtype, round_init)
     params = list(model.parameters())
     device = "cuda" if kind == "fsdp1" else "cpu"
     if optim == "adamw":
-        opt = (FusedAdamW if ours else torch.optim.AdamW)(params, lr=LR, weight_decay=0.1)
+        kw = dict(master_weights=master_weights) if ours else {}
+        opt = (FusedAdamW if ours else torch.optim.AdamW)(params, lr=LR, weight_decay=0.1, **kw)
     else:
         opt = (FusedSGD if ours else torch.optim.SGD)(params, lr=LR * 10, momentum=0.9)
     if ours:
@@ -101,7 +104,7 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     losses, norms, scales, unchanged = [], [], [], []
     for step, (x, y) in enumerate(_data(rank, world)):
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, model_dtype or torch.float32), y.to(device)
         before = [_full(p) for p in params]
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -122,8 +125,10 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         scales.append(scaler.get_scale())
         unchanged.append(all(torch.equal(a, _full(b)) for a, b in zip(before, params)))
     skipped = scaler.skipped_steps if ours else None
+    masters = [_full(opt.state[p]["master_param"]) if "master_param" in opt.state[p] else None for p in params]
     return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped,
-                params=[_full(p).float().cpu() for p in params], opt=opt)
+                params=[_full(p).float().cpu() for p in params], masters=masters,
+                dtypes={_full(p).dtype for p in params}, opt=opt)
 
 
 def _compare(case, a, b):
@@ -231,8 +236,15 @@ def _cases(rank, world):
                                          scaler_mesh=kind == "hsdp")
     for ours in (True, False):
         out[("fsdp2-sgd", ours)] = _train("fsdp2", world, rank, ours, optim="sgd")
-        # FSDP2 mixed precision: FP32 sharded params, BF16 compute, FP32 gradient reduction
+        # FSDP2 mixed precision: FP32 sharded params, BF16 or FP16 compute, FP32 gradient reduction
         out[("fsdp2-bf16", ours)] = _train("fsdp2", world, rank, ours, param_dtype=torch.bfloat16)
+        out[("fsdp2-fp16", ours)] = _train("fsdp2", world, rank, ours, param_dtype=torch.float16)
+    # BF16 sharded params (BF16 compute, FP32 reduction): with our FP32 masters, and without; the reference
+    # is torch on FP32 params that start from the same BF16 values
+    out["fsdp2-bf16-init"] = _train("fsdp2", world, rank, False, param_dtype=torch.bfloat16, round_init=torch.bfloat16)
+    for mw in (None, False):
+        out[("fsdp2-bf16-params", mw)] = _train("fsdp2", world, rank, True, model_dtype=torch.bfloat16,
+                                                master_weights=mw)
     for r in out.values():
         r.pop("opt", None)
     out["bad"] = _bad_setups(rank, world)
@@ -259,16 +271,38 @@ def test_fsdp2_hsdp_ddp_match_torch(runs):
                 assert torch.equal(p, q), kind
 
 
-def test_fsdp2_bf16_compute_matches_torch(runs):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the same forward in BF16 on both sides."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fsdp2_low_precision_compute_matches_torch(runs, dtype):
+    """MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_dtype=fp32): the same 16-bit forward on both
+    sides, FP32 sharded params (FP16's finer grid keeps within BF16's bounds)."""
     _, results = runs
     for rank, r in enumerate(results):
-        a, b = r[("fsdp2-bf16", True)], r[("fsdp2-bf16", False)]
+        a, b = r[(f"fsdp2-{dtype}", True)], r[(f"fsdp2-{dtype}", False)]
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=DIST_BF16_LOSS_RTOL,
                                    atol=0)
         assert a["scales"] == b["scales"]
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=DIST_BF16_PARAM_ATOL)
+
+
+def test_fsdp2_bf16_params_with_and_without_fp32_masters(runs):
+    """BF16 sharded params: our FP32 masters (DTensor shards) follow torch's FP32-param run with BF16
+    compute (the grads differ only by their BF16 rounding) and each param is its master rounded; without
+    masters the BF16 params drift further from it (updates below half a BF16 ulp are lost)."""
+    _, results = runs
+    for rank, r in enumerate(results):
+        ref = r["fsdp2-bf16-init"]["params"]
+        with_m, without = r[("fsdp2-bf16-params", None)], r[("fsdp2-bf16-params", False)]
+        assert with_m["dtypes"] == without["dtypes"] == {torch.bfloat16}
+        assert all(m is None for m in without["masters"])
+        err_with = err_without = 0.0
+        for m, p, q, w in zip(with_m["masters"], with_m["params"], ref, without["params"]):
+            assert m.dtype == torch.float32
+            assert torch.equal(m.to(torch.bfloat16).float(), p), rank  # the param is its master, rounded
+            torch.testing.assert_close(m, q, rtol=0, atol=DIST_BF16_PARAM_ATOL)
+            err_with = max(err_with, (m - q).abs().max().item())
+            err_without = max(err_without, (w - q).abs().max().item())
+        assert err_without > err_with, (rank, err_without, err_with)
 
 
 def test_stochastic_rounding_and_state_loading_do_not_depend_on_sharding(runs):
