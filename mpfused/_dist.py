@@ -117,15 +117,16 @@ def shard_like(full: torch.Tensor, ref) -> "torch.Tensor":
                                 stride=ref.stride())
 
 
-def all_reduce_max(flag: torch.Tensor, mesh=None, group=None) -> None:
-    """MAX of a flag over every rank of ``mesh`` (one collective per mesh dim) or of ``group``."""
+def all_reduce_max(flag: torch.Tensor, mesh=None, group=None, skip_dims: tuple[int, ...] = ()) -> None:
+    """MAX of a flag over every rank of ``mesh`` (one collective per mesh dim of size > 1, except
+    ``skip_dims``: reduced already) or of ``group``."""
     import torch.distributed as dist
 
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return
     for d in range(mesh.ndim):
-        if mesh.size(d) > 1:
+        if mesh.size(d) > 1 and d not in skip_dims:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
 
 

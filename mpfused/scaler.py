@@ -367,42 +367,61 @@ class GradScaler(torch.amp.GradScaler):
     def _all_reduce(self, found: dict, mesh=None, sums: Optional[dict] = None, norm: Optional[torch.Tensor] = None):
         """Across ranks, then the total sum of squares and the norm (None, None without ``sums``):
 
-        - found_inf with MAX over every rank of the process group or of ``mesh`` (every rank skips
-          together, even where one replica's grads differ from another's);
+        - found_inf over every rank of the process group or of ``mesh`` (every rank skips together, even
+          where one replica's grads differ from another's);
         - each norm key's sum of squares with SUM: a DTensor grad's over the mesh dims where it is sharded
           (not where it is replicated: those ranks hold the same values); a plain grad's over the process
           group only for grad_sharding='sharded' (replicated grads already hold the global norm).
+
+        found_inf rides with the first sum over the same ranks, as one SUM of (sum of squares, flag): a sum
+        of flags is != 0 exactly when one of them is, which is all a flag means. The dims that sum leaves
+        get a MAX of the flag alone. So FSDP2 and FSDP1 clip with one scalar all-reduce, HSDP with two, and
+        the optimizer step with none.
         """
+        import torch.distributed as dist
+
         scale = getattr(self, "_scale", None)
         home = scale.device if scale is not None else next(
             iter(found), next((s.device for s in (sums or {}).values()), torch.device("cpu")))
+        reduced = False
+        total_first = None  # a sum of squares reduced together with the flag
         if self._process_group is not None or mesh is not None:
             # Exactly one reduction of found_inf, whatever this rank holds: ranks with grads on other
             # devices, or none, must issue the same collectives or they hang.
             flag = torch.zeros((), dtype=torch.float32, device=home)
             for f in found.values():
                 flag = torch.maximum(flag, copy_to(f, home))
-            _dist.all_reduce_max(flag, mesh=mesh, group=self._process_group)
+            if sums is not None and self._process_group is not None and self._grad_sharding == "sharded":
+                if None not in sums:  # this rank holds no plain grad: it still joins the sum
+                    sums[None] = torch.zeros((), dtype=torch.float32, device=home)
+                packed = torch.stack([sums[None], flag])
+                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self._process_group)
+                sums[None], flag = packed[0], packed[1]
+                reduced = True
+            elif sums is not None and mesh is not None and any(k is not None and k[0] == mesh for k in sums):
+                key = next(k for k in sums if k is not None and k[0] == mesh)
+                packed = torch.stack([sums[key], flag])
+                _dist.all_reduce_sum(packed, mesh, key[1])
+                sums[key], flag = packed[0], packed[1]
+                _dist.all_reduce_max(flag, mesh=mesh, skip_dims=key[1])
+                sums = {k: (v if k != key else None) for k, v in sums.items()}  # None: reduced already
+                total_first = packed[0]
+                reduced = True
+            else:
+                _dist.all_reduce_max(flag, mesh=mesh, group=self._process_group)
             for device in list(found):
                 found[device] = flag if device == home else copy_to(flag, device)
             if not found:  # a rank without grads still skips (or steps) with the others
                 found[home] = flag
         if sums is None:
             return None, None
-        reduced = False
+        total = None
         for key, s in sums.items():
-            if key is not None:
+            if s is None:
+                s = total_first
+            elif key is not None:
                 _dist.all_reduce_sum(s, key[0], key[1])
                 reduced = True
-        if self._process_group is not None and self._grad_sharding == "sharded":
-            if None not in sums:  # this rank holds no plain grad: it still joins the sum
-                sums[None] = torch.zeros((), dtype=torch.float32, device=home)
-            import torch.distributed as dist
-
-            dist.all_reduce(sums[None], op=dist.ReduceOp.SUM, group=self._process_group)
-            reduced = True
-        total = None
-        for s in sums.values():
             total = s if total is None else total + s
         if total is None:  # no gradients at all: the norm is 0, as torch's clip_grad_norm_ says
             total = torch.zeros((), dtype=torch.float32, device=home)

@@ -102,7 +102,9 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         scaler = mpfused.GradScaler(device, init_scale=2.0**10, growth_interval=2, **kw)
     else:
         scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
-    losses, norms, scales, unchanged = [], [], [], []
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    losses, norms, scales, unchanged, collectives = [], [], [], [], []
     for step, (x, y) in enumerate(_data(rank, world)):
         x, y = x.to(device, model_dtype or torch.float32), y.to(device)
         before = [_full(p) for p in params]
@@ -113,12 +115,17 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
             g = params[0].grad
             (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
         if ours:
-            norm = scaler.clip_grad_norm_(opt, MAX_NORM)
+            with CommDebugMode() as comm:
+                norm = scaler.clip_grad_norm_(opt, MAX_NORM)
+            collectives.append(comm.get_total_counts())
         else:
             scaler.unscale_(opt)
             clip = model.clip_grad_norm_ if kind == "fsdp1" else lambda n: torch.nn.utils.clip_grad_norm_(params, n)
             norm = _full(clip(MAX_NORM))
-        scaler.step(opt)
+        with CommDebugMode() as comm:
+            scaler.step(opt)
+        if ours:
+            collectives[-1] += comm.get_total_counts() * 1000  # the step's own: none expected
         scaler.update()
         losses.append(loss.item())
         norms.append(float(norm))
@@ -126,7 +133,7 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         unchanged.append(all(torch.equal(a, _full(b)) for a, b in zip(before, params)))
     skipped = scaler.skipped_steps if ours else None
     masters = [_full(opt.state[p]["master_param"]) if "master_param" in opt.state[p] else None for p in params]
-    return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped,
+    return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped, collectives=collectives,
                 params=[_full(p).float().cpu() for p in params], masters=masters,
                 dtypes={_full(p).dtype for p in params}, opt=opt)
 
@@ -262,6 +269,14 @@ def test_fsdp2_hsdp_ddp_match_torch(runs):
     for rank, r in enumerate(results):
         for kind in ("fsdp2", "ddp", "fsdp2-sgd") + (("hsdp",) if world == 4 else ()):
             _compare(f"{kind} rank {rank}", r[(kind, True)], r[(kind, False)])
+    # the collectives of an iteration: the fused clip reduces found_inf and the sum of squares together
+    # (FSDP2: one SUM; HSDP: a SUM in the shard group and a MAX across replicas; DDP: the MAX of found_inf
+    # alone, replicated grads hold the global norm), and the optimizer step has none (x1000 in the count)
+    expect = {"fsdp2": 1, "ddp": 1, "fsdp2-sgd": 1, "hsdp": 2}
+    for r in results:
+        for kind, n in expect.items():
+            if (kind, True) in r:
+                assert r[(kind, True)]["collectives"] == [n] * STEPS, (kind, r[(kind, True)]["collectives"])
     for kind in ("fsdp2", "ddp") + (("hsdp",) if world == 4 else ()):
         # the norm is global and the scale the same on every rank; the params are the same model
         for r in results[1:]:
