@@ -518,12 +518,12 @@ class FusedOptimizer(Optimizer):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
             self._check_group(group, f" (param group {gi})", in_step=True)
-            sharded = bool(group["params"]) and not self._param_kind_ok(group["params"][0]) and \
+            dtensors = bool(group["params"]) and not self._param_kind_ok(group["params"][0]) and \
                 self._check_kinds(group, f" (param group {gi})")
             params = []
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
-                    if sharded:
+                    if dtensors:
                         if not self._dtensor_ok(p):
                             self._check_dtensor_param(f"param {i} of param group {gi}", p)
                     elif not self._param_ok(p):
@@ -536,7 +536,7 @@ class FusedOptimizer(Optimizer):
                 if stochastic:
                     # a DTensor's shard starts at its first element's index in the global param
                     # (keyed by the tensor the kernel call sees: a DTensor's local shard)
-                    if sharded:
+                    if dtensors:
                         offsets[id(_dist.local(p))] = start + (_dist.flat_offset(p, f"param {i} of param group {gi}")
                                                                if group.get("rounding") == "stochastic" else 0)
                     else:
@@ -544,7 +544,7 @@ class FusedOptimizer(Optimizer):
                     start += p.numel()
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
-            work.append((group, params, sharded))
+            work.append((group, params, dtensors))
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
                 group["seed"] = self._default_seed()
@@ -573,7 +573,7 @@ class FusedOptimizer(Optimizer):
         # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        for group, params, sharded in work:
+        for group, params, dtensors in work:
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
                 buckets[p.device].append(p)
@@ -587,7 +587,7 @@ class FusedOptimizer(Optimizer):
                 if isinstance(lr, torch.Tensor):
                     lr = copy_to(lr, device, torch.float32).reshape(1)
                 # DTensors: the kernels update the local shards (the same memory as the DTensors)
-                kps, kgrads, kstates = self._local_views(ps, grads, states) if sharded else (ps, grads, states)
+                kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
                 self._fused_step(group, kps, kgrads, kstates, lr, device_scalars(device), self._counter(device),
                                  write_grad)
                 if write_grad:
