@@ -77,6 +77,7 @@ import queue
 import shutil
 import statistics
 import sys
+import gc
 import tempfile
 import time
 import traceback
@@ -385,6 +386,7 @@ def worker(rank: int, world: int, init_file: str, config: dict, results) -> None
             results.put(("ok", {"ranks": gathered, "profile": profile, "phases_s": phases,
                                 "global_numel": sum(p.numel() for p in params),
                                 "torch_threads": torch.get_num_threads()}))
+        gc.collect()  # FSDP2's reference cycles hold the group: collect them before it goes (see the example)
         dist.destroy_process_group()
     except BaseException:
         results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))

@@ -9,6 +9,7 @@ no process outlives the call. ``body`` must be a module-level function (spawn pi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue as queue_mod
 import tempfile
@@ -35,6 +36,10 @@ def _entry(body, rank, world, init_file, results, args, backend):
         try:
             out = body(rank, world, *args)
         finally:
+            # FSDP2's modules hold the process group in reference cycles: collected only at interpreter
+            # exit, after gloo's threads can take the GIL, they abort the process now and then. Collect
+            # them while the group is alive.
+            gc.collect()
             dist.destroy_process_group()
         # by value (plain pickle): torch's queue would share tensors through memory that dies with this process
         results.put((rank, "ok", pickle.dumps(out)))
