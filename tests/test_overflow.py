@@ -122,11 +122,13 @@ def test_bad_tensor_in_a_later_launch_of_a_long_list(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_list_beyond_one_launchs_chunk_capacity(device, dtype):
-    lim = overflow_limits(device)
-    chunk = lim["chunk_size"]
-    # On CUDA: more chunks than one launch holds. On the CPU (no such limit): 40 chunks.
-    items = lim["max_items"] + 7 if device == "cuda" else 40
+def test_list_of_many_chunks_and_partial_chunks(device, dtype):
+    """40 work items: full chunks and one-element tails. (A launch holds 2^30 chunks on CUDA, 2^46 elements:
+    no GPU holds a list that needs a second launch for its chunks, so that split is tested by the plan's
+    native tests with small limits, tests/native/test_plan.cpp; the tensor-count split, which lists do
+    reach, by test_bad_tensor_in_a_later_launch_of_a_long_list.)"""
+    chunk = overflow_limits(device)["chunk_size"]
+    items = 40
     tensors = [torch.randn(chunk + 1, device=device).to(dtype) for _ in range((items + 1) // 2)]
     tensors[-1][chunk] = float("nan")  # the last element of the last chunk of the last launch
     found, sumsq = flag(device), flag(device)
@@ -134,6 +136,30 @@ def test_list_beyond_one_launchs_chunk_capacity(device, dtype):
     assert found.item() == 0.0
     assert sumsq.item() == pytest.approx(ref_sumsq(tensors[:-1]), rel=SUMSQ_RTOL[dtype])
     mpfused.non_finite_check_(tensors, found)
+    assert found.item() == 1.0
+
+
+@requires_cuda
+def test_cuda_tensor_beyond_2_to_the_31_elements():
+    """One FP16 tensor of 2^31 + 70,001 elements (4 GiB; int32 element indices would wrap): an inf in its
+    last element is found, and the sum of squares counts every element once."""
+    numel = 2**31 + 70_001
+    need = numel * 2 + (256 << 20)  # the tensor and room for the kernel's workspace
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory, this GPU has {free / 2**30:.1f} GiB free")
+    t = torch.full((numel,), 0.5, dtype=torch.float16, device="cuda")
+    found, sumsq = flag("cuda"), flag("cuda")
+    mpfused.non_finite_check_([t], found, sumsq=sumsq)
+    assert found.item() == 0.0
+    assert sumsq.item() == pytest.approx(numel * 0.25, rel=SUMSQ_RTOL[torch.float16])
+    t[-1] = float("inf")
+    mpfused.non_finite_check_([t], found)
+    assert found.item() == 1.0
+    t[-1] = 0.5
+    t[2**31 + 3] = float("nan")  # past the int32 range, not at the end
+    found.zero_()
+    mpfused.non_finite_check_([t], found)
     assert found.item() == 1.0
 
 
