@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import mpfused
 from mpfused import _ops
 from conftest import requires_cuda
-from tolerances import GELU_TOL, GEMM_ERROR_FACTOR, LINEAR_REL_TOL
+from tolerances import GELU_TOL, GEMM_ACCUM_U, GEMM_ERROR_FACTOR, GEMM_OUT_HALF_ULP, GEMM_OUT_SUBNORMAL_HALF, LINEAR_REL_TOL
 
 LOW = [torch.float16, torch.bfloat16]
 OUT_DTYPES = [None, torch.float16, torch.bfloat16, torch.float32]
@@ -97,7 +97,15 @@ def test_random_normal_error_within_twice_torch_fp32(device, dtype, out_dtype, s
     assert ours.dtype == out_dtype and ours.shape == (m, n)
     our_err = (ours.double().cpu() - exact).abs().max().item()
     assert torch_err > 0
-    assert our_err <= GEMM_ERROR_FACTOR[out_dtype] * torch_err, (our_err, torch_err)
+    if device == "cpu":  # beside ATen's FP32 GEMM (on CUDA cuBLAS may be far below its bound: see tolerances)
+        assert our_err <= GEMM_ERROR_FACTOR[out_dtype] * torch_err, (our_err, torch_err)
+    # element by element within the FP32 accumulation bound plus the output rounding within the FP32 accumulation bound plus the output rounding
+    gamma = k * GEMM_ACCUM_U / (1 - k * GEMM_ACCUM_U)
+    abs_ab = torch.matmul(a.double().cpu().abs(), b.double().cpu().abs())
+    h = GEMM_OUT_HALF_ULP[out_dtype]
+    bound = h * exact.abs() + (1 + h) * gamma * abs_ab + GEMM_OUT_SUBNORMAL_HALF[out_dtype]
+    err = (ours.double().cpu() - exact).abs()
+    assert bool((err <= bound).all()), f"worst err/bound {(err / bound).max().item():.3f}"
 
 
 # ---- epilogues -----------------------------------------------------------------------------------------

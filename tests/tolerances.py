@@ -47,6 +47,18 @@ GEMM_ERROR_FACTOR = {
     torch.bfloat16: 2.0,  # dominated by the final rounding to BF16 (<= 1/2 ulp), plus the FP32 error above
 }
 
+# The same GEMMs against a float64 reference, element by element, from the error bound itself rather than
+# from another library's error (cuBLAS's FP32 GEMM can be far more accurate on a given input than its bound
+# than ATen's CPU GEMM, so "twice torch's error" could fail a correct kernel there). Products of FP16/BF16
+# values are exact in FP32; a sum of K of them accumulated in FP32 in any order is within
+# gamma_K * (|A| |B|)_ij of the exact sum, gamma_K = K u / (1 - K u) with u = 2^-24 (Higham, Accuracy and
+# Stability of Numerical Algorithms, 3.1); rounding that FP32 sum to the output dtype adds at most half an
+# ulp of it (relative: 2^-24, 2^-11, 2^-8), and below the output's normal range half its smallest subnormal.
+# A kernel that accumulated in FP16 (u = 2^-11) or rounded its products breaks this for K >= 64.
+GEMM_ACCUM_U = 2.0**-24
+GEMM_OUT_HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+GEMM_OUT_SUBNORMAL_HALF = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134}
+
 # GELU epilogue against torch's F.gelu on the same FP32 pre-activation: the tanh/erf of the C library
 # (CPU) or of CUDA differ from torch's vectorised ones by a few FP32 ulp, and where the tanh form cancels
 # (large negative inputs: 1 + tanh(...) is ~1e-7) the absolute difference stays below ~1e-6. The output
