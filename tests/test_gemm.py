@@ -86,7 +86,7 @@ def test_sums_past_the_low_precision_range_round_once(device):
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 48, 1024), (33, 17, 4096), (128, 130, 257)], ids=str)
-def test_random_normal_error_within_twice_torch_fp32(device, dtype, out_dtype, shape):
+def test_random_normal_error_within_the_accumulation_bound(device, dtype, out_dtype, shape):
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     a = torch.randn(m, k, generator=gen).to(dtype).to(device)
