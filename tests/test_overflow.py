@@ -140,6 +140,7 @@ def test_list_of_many_chunks_and_partial_chunks(device, dtype):
 
 
 @requires_cuda
+@pytest.mark.big
 def test_cuda_tensor_beyond_2_to_the_31_elements():
     """One FP16 tensor of 2^31 + 70,001 elements (4 GiB; int32 element indices would wrap): an inf in its
     last element is found, and the sum of squares counts every element once."""
