@@ -46,14 +46,26 @@ def describe(t) -> str:
     return f"DTensor on {t.device_mesh} with placements {tuple(t.placements)}"
 
 
-def _is_replicate(p) -> bool:
-    return p.is_replicate()
-
-
 def sum_dims(t) -> tuple[int, ...]:
-    """The mesh dims over which a sum of ``t``'s elements must add the local parts: those where ``t`` is
-    not replicated (Shard, _StridedShard or Partial)."""
-    return tuple(i for i, p in enumerate(t.placements) if not _is_replicate(p))
+    """The mesh dims over which a sum of ``t``'s elements adds the local parts: those where ``t`` is sharded
+    (Shard, _StridedShard), not those where it is replicated. A Partial tensor's local parts are addends
+    of its values, not parts of them (its squares do not add up): a NotImplementedError."""
+    dims = []
+    for i, p in enumerate(t.placements):
+        if p.is_partial():
+            raise NotImplementedError(f"a {describe(t)} holds pending sums (Partial): redistribute it to Shard or "
+                                      "Replicate placements first")
+        if not p.is_replicate():
+            dims.append(i)
+    return tuple(dims)
+
+
+def _check_row_sharding(t, where: str, what: str) -> None:
+    """Only plain Shard and Replicate placements cut a tensor into blocks of rows that compute_local_shape_
+    and_global_offset describes; _StridedShard (FSDP2 over tensor parallel) interleaves them."""
+    if any(type(p).__name__ == "_StridedShard" for p in t.placements):
+        raise NotImplementedError(f"{where}: {what} needs a DTensor whose shards are blocks of the global tensor, "
+                                  f"got a {describe(t)} (strided sharding)")
 
 
 def mesh_ranks(mesh) -> frozenset:
@@ -82,6 +94,7 @@ def flat_offset(t, where: str) -> int:
     index, so that a result does not depend on how the params are sharded."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    _check_row_sharding(t, where, "rounding='stochastic'")
     shape = tuple(t.shape)
     local_shape, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
     if not local(t).is_contiguous():
@@ -107,12 +120,17 @@ def flat_offset(t, where: str) -> int:
 
 def shard_like(full: torch.Tensor, ref) -> "torch.Tensor":
     """The DTensor with ``ref``'s mesh and placements whose global value is ``full`` (a plain tensor of
-    ref's global shape), built from this rank's slice of ``full``: no communication."""
+    ref's global shape), built from this rank's slice of ``full``: no communication. The local shard takes
+    the memory layout of ref's (the kernels pair them element by element)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from ._layout import is_dense, like
+
+    _check_row_sharding(ref, "loading a state tensor", "cutting a whole tensor into shards")
     local_shape, offset = compute_local_shape_and_global_offset(tuple(ref.shape), ref.device_mesh, ref.placements)
     piece = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
-    piece = piece.to(device=local(ref).device).contiguous()
+    lref = local(ref)
+    piece = like(piece, lref, full.dtype) if is_dense(lref) else piece.to(device=lref.device).contiguous()
     return type(ref).from_local(piece, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                                 stride=ref.stride())
 

@@ -128,11 +128,12 @@ class GradScaler(torch.amp.GradScaler):
       clip_grad_norm_ clips by the global norm. Then ``grad_sharding`` is required: ``"replicated"``
       (DDP: every rank holds the whole gradient, so the local norm is the global one) or ``"sharded"``
       (FSDP1, ZeRO: each rank holds a part; the squares are summed over the ranks).
-    - DTensor grads (FSDP2, HSDP, tensor parallel) need no argument: the kernels take the local shards,
-      found_inf is all-reduced (MAX) over every rank of the grads' mesh, and a grad's squares are summed
-      over the mesh dims where it is sharded, not where it is replicated (HSDP: within the shard group).
-      ``device_mesh`` names that mesh explicitly (it must hold every rank of every grad's mesh): then every
-      rank joins the found_inf reduction even in an iteration where it holds no DTensor grad.
+    - DTensor params (FSDP2, HSDP, tensor parallel) need no argument: the kernels take the local shards of
+      their grads, found_inf is all-reduced (MAX) over every rank of the params' mesh, and a grad's squares
+      are summed over the mesh dims where its param is sharded, not where it is replicated (HSDP: within
+      the shard group). ``device_mesh`` names that mesh explicitly (it must hold every rank of every
+      param's mesh). Plain grads beside DTensor ones (in other param groups) are taken as replicated: the
+      same on every rank, counted once.
 
     Skipped steps: ``found_inf()`` (this or the last iteration's flag) and ``skipped_steps_async()`` (a
     device-side count kept by update()) never sync; ``skipped_steps`` and ``last_step_skipped`` do.
@@ -259,7 +260,8 @@ class GradScaler(torch.amp.GradScaler):
     def _collect(self, optimizer, allow_fp16: bool, for_norm: bool = False) -> tuple:
         """The optimizer's gradients, in buckets keyed by (device, norm key): (tensors for mpfused's kernel,
         {dtype: tensors for torch's foreach op}). A DTensor grad enters as its local shard; its norm key is
-        (mesh, the mesh dims its squares are summed over), a plain grad's is None (see _all_reduce). Returns
+        (mesh, the mesh dims its squares are summed over: its param's, with or without a grad on this rank),
+        a plain grad's is None (see _all_reduce). Returns
         (buckets, the mesh whose ranks skip together, or None). Everything is validated here, before any
         kernel runs on any device and before any collective."""
         buckets: dict = defaultdict(lambda: ([], defaultdict(list)))
@@ -270,14 +272,24 @@ class GradScaler(torch.amp.GradScaler):
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                     grad = param.grad
-                    if grad is None:
-                        continue
                     key = None
-                    if type(grad) not in _PLAIN and _dist.is_dtensor(grad):
-                        meshes.setdefault(grad.device_mesh, (gi, i))
-                        dims = _dist.sum_dims(grad)
-                        key = (grad.device_mesh, dims) if dims else None  # replicated: local = global
+                    if type(param) not in _PLAIN and _dist.is_dtensor(param):
+                        # The mesh and the norm key come from the param, which every rank holds with or
+                        # without a grad: every rank then issues the same collectives.
+                        meshes.setdefault(param.device_mesh, (gi, i))
+                        dims = _dist.sum_dims(param)
+                        key = (param.device_mesh, dims) if dims else None  # replicated: local = global
+                        if key is not None and for_norm:
+                            buckets[(_dist.local(param).device, key)]  # noqa: B018 - the key, on every rank
+                        if grad is None:
+                            continue
+                        _dist.check_same_spec(f"param {i} of param group {gi}", param, grad)
                         grad = _dist.local(grad)
+                    elif grad is None:
+                        continue
+                    elif type(grad) not in _PLAIN and _dist.is_dtensor(grad):
+                        raise TypeError(f"param {i} of param group {gi}: the grad is a {_dist.describe(grad)} but the "
+                                        "param is a plain tensor; both must be DTensors with the same placements")
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
@@ -374,8 +386,8 @@ class GradScaler(torch.amp.GradScaler):
           group only for grad_sharding='sharded' (replicated grads already hold the global norm).
 
         found_inf rides with the first sum over the same ranks, as one SUM of (sum of squares, flag): a sum
-        of flags is != 0 exactly when one of them is, which is all a flag means. The dims that sum leaves
-        get a MAX of the flag alone. So FSDP2 and FSDP1 clip with one scalar all-reduce, HSDP with two, and
+        of flags is != 0 exactly when one of them is, and clamped to 1 it is their MAX (torch's fused
+        optimizers skip only for a flag of exactly 1). The dims that sum leaves get a MAX of the flag alone. So FSDP2 and FSDP1 clip with one scalar all-reduce, HSDP with two, and
         the optimizer step with none.
         """
         import torch.distributed as dist
@@ -396,13 +408,13 @@ class GradScaler(torch.amp.GradScaler):
                     sums[None] = torch.zeros((), dtype=torch.float32, device=home)
                 packed = torch.stack([sums[None], flag])
                 dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self._process_group)
-                sums[None], flag = packed[0], packed[1]
+                sums[None], flag = packed[0], packed[1].clamp(max=1.0)
                 reduced = True
             elif sums is not None and mesh is not None and any(k is not None and k[0] == mesh for k in sums):
                 key = next(k for k in sums if k is not None and k[0] == mesh)
                 packed = torch.stack([sums[key], flag])
                 _dist.all_reduce_sum(packed, mesh, key[1])
-                sums[key], flag = packed[0], packed[1]
+                sums[key], flag = packed[0], packed[1].clamp(max=1.0)
                 _dist.all_reduce_max(flag, mesh=mesh, skip_dims=key[1])
                 sums = {k: (v if k != key else None) for k, v in sums.items()}  # None: reduced already
                 total_first = packed[0]

@@ -223,6 +223,97 @@ def _stochastic_and_loading(rank, world):
     return dict(stepped=stepped, loaded=loaded, kinds=kinds)
 
 
+def _edge_cases(rank, world):
+    """What a review found: every rank overflowing at once with torch's fused AdamW driven by our scaler
+    (torch skips only for a flag of exactly 1, so the reduced flag must be 1, not a count of ranks); a rank
+    without grads still joins every collective of a clip, with a given mesh or without; int16 remainders
+    and channels_last shards through the state-dict load paths."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    out = {}
+    x, y = _data(rank, world)[0]
+    for kind in ("fsdp2", "sharded-pg"):
+        if kind == "fsdp2":
+            model, _ = _wrap("fsdp2", world)
+            params = list(model.parameters())
+            scaler = mpfused.GradScaler("cpu", init_scale=2.0**10)
+        else:  # each rank owns every world-th param, as a ZeRO optimizer does
+            model = _model()
+            params = [p for i, p in enumerate(model.parameters()) if i % world == rank]
+            scaler = mpfused.GradScaler("cpu", init_scale=2.0**10, process_group=dist.group.WORLD,
+                                        grad_sharding="sharded")
+        opt = torch.optim.AdamW(params, lr=LR, fused=True)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        g = params[0].grad
+        (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")  # on every rank
+        before = [_full(p) for p in params]
+        scaler.clip_grad_norm_(opt, MAX_NORM)
+        scaler.step(opt)
+        found = scaler.found_inf().item()
+        scaler.update()
+        out[("all overflow", kind)] = (found, scaler.get_scale(),
+                                       all(torch.equal(a, _full(b)) for a, b in zip(before, params)))
+    for told in (True, False):
+        model, mesh = _wrap("fsdp2", world)
+        opt = FusedAdamW(model.parameters(), lr=LR)
+        scaler = mpfused.GradScaler("cpu", device_mesh=mesh if told else None)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if rank == world - 1:
+            opt.zero_grad()  # this rank holds no grad at all
+        local = sum(float(p.grad.to_local().double().square().sum()) for p in model.parameters() if p.grad is not None)
+        expected = torch.tensor(local / scaler.get_scale() ** 2, dtype=torch.float64)
+        dist.all_reduce(expected)
+        norm = scaler.clip_grad_norm_(opt, MAX_NORM).item()
+        scaler.step(opt)
+        scaler.update()
+        out[("no grads on one rank", told)] = (norm, expected.sqrt().item())
+    # int16 remainders: a sharded state dict into an unsharded optimizer (a gather) and into replicated
+    # params (a redistribution): gloo has no int16 collectives, the loader moves them as int32
+    mesh = init_device_mesh("cpu", (world,))
+    full_p, full_g = _sr_inputs()
+    sharded = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in full_p]
+    for p, g in zip(sharded, full_g):
+        p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    opt = FusedAdamW(sharded, lr=1e-3, master_weights="remainder")
+    opt.step()
+    opt.step()
+    sd = opt.state_dict()
+    whole = lambda v: v.to(torch.int32).full_tensor().to(torch.int16) if v.dtype == torch.int16 else v.full_tensor()  # noqa: E731
+    want = [{k: whole(v) for k, v in opt.state[p].items() if k != "step"} for p in sharded]
+    plain = FusedAdamW([torch.nn.Parameter(p.clone()) for p in full_p], lr=1e-3, master_weights="remainder")
+    plain.load_state_dict(sd)
+    replicated = [torch.nn.Parameter(distribute_tensor(p, mesh, [Replicate()])) for p in full_p]
+    rep_opt = FusedAdamW(replicated, lr=1e-3, master_weights="remainder")
+    rep_opt.load_state_dict(sd)
+    out["remainder loads"] = all(
+        torch.equal(plain.state[q][k], w[k]) and torch.equal(rep_opt.state[r][k].to_local(), w[k])
+        and plain.state[q][k].dtype == w[k].dtype
+        for q, r, w in zip(plain.param_groups[0]["params"], replicated, want) for k in w)
+    # a channels_last DTensor param whose state comes from a plain state dict: the shards take its layout
+    full = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    rows = full.shape[0] // world if world <= full.shape[0] else 0
+    ref_p = torch.nn.Parameter(full.clone())
+    ref_p.grad = torch.ones_like(full)
+    ref = FusedAdamW([ref_p], lr=1e-3)
+    ref.step()
+    piece = ref_p.detach().clone()[rank * rows:(rank + 1) * rows]  # the params after that step, sharded
+    p = torch.nn.Parameter(DTensor.from_local(piece, mesh, [Shard(0)], shape=full.shape, stride=full.stride()))
+    opt = FusedAdamW([p], lr=1e-3)
+    opt.load_state_dict(ref.state_dict())
+    p.grad = DTensor.from_local(torch.ones_like(piece), mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+    opt.step()
+    ref.step()
+    mine = slice(rank * rows, (rank + 1) * rows)  # (compared shard by shard: gloo gathers dense memory only)
+    from mpfused._layout import same_layout
+
+    out["channels_last load"] = (same_layout(opt.state[p]["exp_avg"].to_local(), p.to_local())
+                                 and not opt.state[p]["exp_avg"].to_local().is_contiguous()
+                                 and torch.equal(p.to_local(), ref_p.detach()[mine])
+                                 and torch.equal(opt.state[p]["exp_avg_sq"].to_local(), ref.state[ref_p]["exp_avg_sq"][mine]))
+    return out
+
+
 def _sr_inputs():
     g = torch.Generator().manual_seed(5)
     # dim 0 of 7 and 3 rows: uneven shards on 2 and 4 ranks, and an empty one on 4
@@ -233,7 +324,7 @@ def _sr_inputs():
 
 
 def _cases(rank, world):
-    out = {"sharding-invariant": _stochastic_and_loading(rank, world)}
+    out = {"sharding-invariant": _stochastic_and_loading(rank, world), "edge": _edge_cases(rank, world)}
     kinds = ["fsdp2", "ddp"] + (["hsdp"] if world == 4 else [])
     for kind in kinds:
         for ours in (True, False):
@@ -342,6 +433,20 @@ def test_stochastic_rounding_and_state_loading_do_not_depend_on_sharding(runs):
             assert set(loaded) == {"exp_avg", "exp_avg_sq", "master_param"}
             for k, v in loaded.items():
                 assert torch.equal(v, ref.state[p][k]), (rank, k)
+
+
+def test_review_edge_cases(runs):
+    _, results = runs
+    for rank, r in enumerate(results):
+        e = r["edge"]
+        for kind in ("fsdp2", "sharded-pg"):
+            # the flag torch's fused AdamW reads is 1; nothing was written; the scale backed off
+            assert e[("all overflow", kind)] == (1.0, 512.0, True), (rank, kind, e[("all overflow", kind)])
+        for told in (True, False):
+            norm, expected = e[("no grads on one rank", told)]
+            assert norm == pytest.approx(expected, rel=DIST_NORM_RTOL), (rank, told, norm, expected)
+        assert e["remainder loads"], rank
+        assert e["channels_last load"], rank
 
 
 def test_overflow_on_one_rank_skips_every_rank(runs):

@@ -652,7 +652,9 @@ class FusedOptimizer(Optimizer):
         if key == "step":
             if _dist.is_dtensor(value):  # a replicated count: every shard holds it
                 value = _dist.local(value)
-            return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(())
+            # a copy: the kernels count steps in place, and a state dict taken from a live optimizer must not
+            # share its counters with this one
+            return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(()).clone()
         if key == "master_remainder" and isinstance(value, torch.Tensor):
             # int16 bits, never cast through a float dtype, in the param's memory layout
             if value.dtype != torch.int16:
@@ -679,9 +681,12 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"state 'master_remainder' must be an int16 tensor, got {value.dtype}")
         if not (value.is_floating_point() or key == "master_remainder"):
             return value
+        # the collectives below move int16 (a remainder) as int32: gloo and NCCL have no int16 sums or gathers
+        wide = torch.int32 if dtype == torch.int16 else None
         if not _dist.is_dtensor(param):
             # a sharded checkpoint loaded into an unsharded param: the whole value (a collective)
-            return FusedOptimizer._load_value_plain(param, dtype, value.full_tensor())
+            whole = (value.to(wide) if wide else value).full_tensor()
+            return FusedOptimizer._load_value_plain(param, dtype, whole)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"state {key!r} has shape {tuple(value.shape)} but its param has shape {tuple(param.shape)}")
         if not _dist.is_dtensor(value):
@@ -691,7 +696,7 @@ class FusedOptimizer(Optimizer):
                              "load the state dict through torch.distributed.checkpoint.state_dict"
                              ".set_optimizer_state_dict, which reshards it")
         if tuple(value.placements) != tuple(param.placements):
-            value = value.redistribute(param.device_mesh, param.placements)
+            value = (value.to(wide) if wide else value).redistribute(param.device_mesh, param.placements)
         shard = _dist.local(value).to(device=_dist.local(param).device, dtype=dtype)
         lp = _dist.local(param)
         if shard.shape == lp.shape and is_dense(lp) and not same_layout(shard, lp):
