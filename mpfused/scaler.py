@@ -387,8 +387,8 @@ class GradScaler(torch.amp.GradScaler):
 
         found_inf rides with the first sum over the same ranks, as one SUM of (sum of squares, flag): a sum
         of flags is != 0 exactly when one of them is, and clamped to 1 it is their MAX (torch's fused
-        optimizers skip only for a flag of exactly 1). The dims that sum leaves get a MAX of the flag alone. So FSDP2 and FSDP1 clip with one scalar all-reduce, HSDP with two, and
-        the optimizer step with none.
+        optimizers skip only for a flag of exactly 1). The dims that sum leaves get a MAX of the flag alone.
+        So FSDP2 and FSDP1 clip with one scalar all-reduce, HSDP with two, and the optimizer step with none.
         """
         import torch.distributed as dist
 
@@ -396,7 +396,7 @@ class GradScaler(torch.amp.GradScaler):
         home = scale.device if scale is not None else next(
             iter(found), next((s.device for s in (sums or {}).values()), torch.device("cpu")))
         reduced = False
-        total_first = None  # a sum of squares reduced together with the flag
+        done: set = set()  # the norm keys whose sum went with the flag
         if self._process_group is not None or mesh is not None:
             # Exactly one reduction of found_inf, whatever this rank holds: ranks with grads on other
             # devices, or none, must issue the same collectives or they hang.
@@ -416,8 +416,7 @@ class GradScaler(torch.amp.GradScaler):
                 _dist.all_reduce_sum(packed, mesh, key[1])
                 sums[key], flag = packed[0], packed[1].clamp(max=1.0)
                 _dist.all_reduce_max(flag, mesh=mesh, skip_dims=key[1])
-                sums = {k: (v if k != key else None) for k, v in sums.items()}  # None: reduced already
-                total_first = packed[0]
+                done.add(key)
                 reduced = True
             else:
                 _dist.all_reduce_max(flag, mesh=mesh, group=self._process_group)
@@ -429,9 +428,7 @@ class GradScaler(torch.amp.GradScaler):
             return None, None
         total = None
         for key, s in sums.items():
-            if s is None:
-                s = total_first
-            elif key is not None:
+            if key is not None and key not in done:
                 _dist.all_reduce_sum(s, key[0], key[1])
                 reduced = True
             total = s if total is None else total + s
