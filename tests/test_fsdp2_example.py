@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import mpfused
+
 from conftest import cuda_skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +51,15 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_rea
 def run_example(*args: str) -> str:
     """rank 0's output of ``torchrun --nproc_per_node 2 examples/fsdp2_transformer.py *args``; fails the test
     on a non-zero exit or after TIMEOUT_S (then the whole process group is killed)."""
+    # the ranks import the mpfused this test imported (the in-place build, or an installed one: then the
+    # source tree's unbuilt package must not shadow it)
+    where = str(Path(mpfused.__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join([where] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     if not (cuda_skip_reason() is None and torch.cuda.device_count() >= 2):
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path: gloo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(EXAMPLE), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=EXAMPLE.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
