@@ -66,6 +66,39 @@ def openmp_flags() -> list:
     return ["-fopenmp"] if sys.platform.startswith("linux") else []
 
 
+def cuda_toolkit_problem(nvcc_version: str, torch_cuda: str) -> tuple:
+    """Whether the nvcc that would compile the kernels suits the CUDA that torch was built with:
+    ("", "") when they agree, ("error", message) when their major versions differ (the extension would
+    not load, or would fail at its first launch), ("note", message) when only the minor versions differ
+    (CUDA's minor version compatibility: it builds and runs). Versions as "major.minor"."""
+    n, t = (tuple(int(x) for x in v.split(".")[:2]) for v in (nvcc_version, torch_cuda))
+    if n == t:
+        return "", ""
+    if n[0] != t[0]:
+        return "error", (
+            f"mpfused: nvcc is CUDA {nvcc_version} but torch {torch.__version__} was built with CUDA {torch_cuda}; "
+            f"the CUDA kernels must be compiled by a toolkit of the same major version ({t[0]}.x). Either point "
+            f"CUDA_HOME at a CUDA {t[0]}.x toolkit (with its nvcc), or install a torch built for CUDA {n[0]} "
+            f"(pip install torch --index-url https://download.pytorch.org/whl/cu{n[0]}{n[1]}), or build without "
+            "the CUDA kernels: MPFUSED_FORCE_CPU=1.")
+    return "note", (f"mpfused: nvcc is CUDA {nvcc_version}, torch was built with CUDA {torch_cuda}: the same major "
+                    "version, which CUDA's minor version compatibility allows")
+
+
+def nvcc_version(cuda_home: str) -> str:
+    """The "major.minor" release of $CUDA_HOME/bin/nvcc; exits with the reason when it cannot be run."""
+    nvcc = Path(cuda_home) / "bin" / "nvcc"
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        sys.exit(f"mpfused: could not run {nvcc} --version ({e}); set CUDA_HOME to a CUDA toolkit, or "
+                 "MPFUSED_FORCE_CPU=1 for a CPU-only build")
+    m = re.search(r"release (\d+\.\d+)", out)
+    if not m:
+        sys.exit(f"mpfused: {nvcc} --version printed no release number: {out.strip()[:200]!r}")
+    return m.group(1)
+
+
 def use_cuda() -> bool:
     if env_flag("MPFUSED_FORCE_CPU"):
         print("mpfused: MPFUSED_FORCE_CPU is set: building the CPU-only extension")
@@ -76,6 +109,11 @@ def use_cuda() -> bool:
     if cpp_extension.CUDA_HOME is None:
         print("mpfused: no nvcc found (set CUDA_HOME or put nvcc on PATH): building the CPU-only extension")
         return False
+    level, message = cuda_toolkit_problem(nvcc_version(cpp_extension.CUDA_HOME), torch.version.cuda)
+    if level == "error":
+        sys.exit(message)
+    if message:
+        print(message)
     return True
 
 

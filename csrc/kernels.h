@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/fixed_point.h"
 #include "core/gemm.h"
@@ -47,7 +48,8 @@ struct OverflowArgs {
   bool overwrite;            // found_inf (and sumsq) hold this call's result alone: no zeroing needed
   float* norm;               // nullptr, or one float: set to sqrt(*sumsq) after the reduction; needs sumsq
   unsigned int* counter;     // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed
-                             //   (spares the memset of a fresh counter); one stream at a time
+                             //   (spares the memset of a fresh counter); never shared by two launches
+                             //   that may run at once (the kernel traps when it sees one shared)
 };
 
 // Work split: chunk sizes and per-launch capacities. The CUDA limits follow from the 32 KB kernel
@@ -96,7 +98,8 @@ struct OptimArgs {
                                //   a skipped step writes nothing
   unsigned int* counter;       // CUDA: nullptr, or one zeroed uint32 the call may use and leaves zeroed:
                                //   then the step counters are incremented by the last launch's last
-                               //   block instead of a separate launch; one stream at a time
+                               //   block instead of a separate launch; never shared by two launches
+                               //   that may run at once (the kernel traps when it sees one shared)
   Rounding rounding;           // how an FP16/BF16 param is written from its FP32 result (the update without
                                //   a master, or the copy of the master): kStochastic rounds element e of a
                                //   tensor with the random bits of index sr_offset + e of stream (step,
@@ -212,8 +215,11 @@ void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scrat
 // Scratch (per-tensor partial sums of two-pass policies) comes from `scratch`, on the stream.
 void optim_step_cuda(const OptimArgs& args, const ScratchAllocator& scratch, void* stream);
 void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
-// Throws std::runtime_error with a message for the user (e.g. BF16 on a GPU older than sm_80).
+// Throws std::runtime_error with a message for the user: gemm_unsupported's, or another.
 void gemm_cuda(const GemmArgs& args, void* stream);
+// Empty when gemm_cuda runs inputs of `input_dtype` on CUDA device `device`, else why not (BF16 below
+// sm_80, or a build without an sm_80+ image of the BF16 kernel).
+std::string gemm_unsupported(DType input_dtype, int device);
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);

@@ -134,8 +134,9 @@ def non_finite_check_(
       may be fresh ``torch.empty`` tensors: no zero fill is needed (an empty list writes zeros).
     - ``norm`` (float32, one element, optional, needs ``sumsq``): set to ``sqrt(sumsq)`` in the same launch.
     - ``counter`` (int32, one element, zero, optional): scratch the CUDA kernel borrows for its last-block
-      reduction and leaves zero, sparing a memset per call; use one per stream. With overwrite, norm and
-      counter, the whole check is one kernel launch per list on CUDA.
+      reduction and leaves zero, sparing a memset per call. Two launches running at once must not share one
+      (borrowed_counter gives one per device and stream); the kernel traps when it finds its counter shared.
+      With overwrite, norm and counter, the whole check is one kernel launch per list on CUDA.
 
     Tensors may be float32, float16 and bfloat16 in one list; they must be contiguous and on the device
     of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
@@ -151,6 +152,45 @@ def non_finite_check_(
         ops.unscale_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
     else:
         ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def borrowed_counter(store: dict, device: torch.device) -> Optional[torch.Tensor]:
+    """The zeroed int32 counter that a CUDA kernel borrows for its last-block reduction and leaves zero
+    (the ``counter`` argument of non_finite_check_ and optim_step_), from ``store``, a dict its owner keeps.
+
+    One counter per (device, stream): two launches that run at the same time never share one (a shared
+    counter would let a block reduce partials not yet written; the kernels trap when a counter passes their
+    block count). None where none is lent, so that the kernel uses scratch counters of its own, zeroed by
+    a memset in stream order:
+
+    - on the CPU, whose kernels need none;
+    - while a CUDA graph is being captured: a counter created now would be zeroed only when the graph
+      replays (an eager call after the capture would find garbage in it), and one created before would be
+      shared between the graph's replays and eager calls on any other stream. The graph then holds its own
+      scratch counters and their memsets (one node each).
+
+    Under torch.compile the stream is not traced: compiled code gets one counter per device of its own.
+    """
+    if device.type != "cuda":
+        return None
+    if torch.compiler.is_compiling():
+        key = (device, "compiled")
+    else:
+        if _capturing(device):
+            return None
+        key = (device, torch.cuda.current_stream(device).stream_id)
+    counter = store.get(key)
+    if counter is None:
+        counter = store[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _lr_args(lr):
@@ -194,7 +234,8 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     (the kernels read them as non-overlapping arrays). ``lr``: a float or
     a one-element float32 tensor on the device. When ``found_inf`` != 0 nothing is written, steps included.
     ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA update's last block
-    increments the step counters, sparing a launch. ``write_grad``: a taken step also writes the gradient
+    increments the step counters, sparing a launch; one per stream (borrowed_counter), never shared by two
+    launches that may run at once. ``write_grad``: a taken step also writes the gradient
     it used (unscaled and clipped) back into ``grads``, as torch's fused optimizers leave p.grad unscaled.
     Params may have any dense layout (channels_last, ...) that their grads, masters and states share.
 

@@ -192,7 +192,9 @@ class GradScaler(torch.amp.GradScaler):
         self._inv_scale: Optional[torch.Tensor] = None
         self._hysteresis_left: Optional[torch.Tensor] = None
         self._skipped_steps: Optional[torch.Tensor] = None
-        self._counter: Optional[torch.Tensor] = None
+        # the zeroed counters the overflow kernel borrows for its last-block reduction and leaves zeroed (one
+        # per device and stream, _ops.borrowed_counter): they save the memset of a fresh one per iteration
+        self._counters: dict = {}
         self._last_found_inf: Optional[torch.Tensor] = None
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -219,9 +221,6 @@ class GradScaler(torch.amp.GradScaler):
             self._inv_scale = self._scale.double().reciprocal().float()
             self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
             self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
-            # A zeroed counter the overflow kernel borrows for its last-block reduction and leaves zeroed:
-            # it saves the memset of a fresh one in every iteration.
-            self._counter = torch.zeros(1, dtype=torch.int32, device=dev)
         return dev
 
     def _ready(self, funcname: str) -> torch.device:
@@ -362,7 +361,8 @@ class GradScaler(torch.amp.GradScaler):
             inv = None if inv_rep is None else (inv_scale if device == inv_scale.device else inv_rep.get(device))
             if kernel or fresh:
                 _ops.non_finite_check_(kernel, f, inv, unscale=unscale and inv is not None, sumsq=s, overwrite=fresh,
-                                       norm=n, counter=self._counter if fresh else None)
+                                       norm=n,
+                                       counter=_ops.borrowed_counter(self._counters, device) if fresh else None)
             for grads in other.values():
                 factor = inv if (unscale and inv is not None) else torch.ones((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, factor)
@@ -701,6 +701,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_left"] = self.state_dict()["_hysteresis_left"]
             state["_init_skipped_steps"] = self.skipped_steps
-        for key in ("_inv_scale", "_hysteresis_left", "_skipped_steps", "_counter", "_last_found_inf"):
+        for key in ("_inv_scale", "_hysteresis_left", "_skipped_steps", "_last_found_inf"):
             state[key] = None
+        state["_counters"] = {}
         return state

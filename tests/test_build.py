@@ -6,6 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import mpfused
@@ -53,3 +54,48 @@ def test_import_against_another_torch_fails_with_a_clear_message():
     assert "IMPORT-ERROR:" in out, out
     assert f"built against torch {torch.__version__}" in out and "1.0.0+other" in out
     assert "pip install --no-build-isolation" in out
+
+
+def _setup_functions(*names: str) -> dict:
+    """Functions of setup.py, without running it (running it builds): their definitions, executed alone."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    module = ast.Module(body=[n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names],
+                        type_ignores=[])
+    namespace = {"torch": torch, "re": re, "subprocess": subprocess, "sys": sys, "Path": Path}
+    exec(compile(module, "setup.py", "exec"), namespace)
+    assert all(n in namespace for n in names), names
+    return namespace
+
+
+def test_setup_checks_nvcc_against_the_cuda_of_torch():
+    """setup.py refuses an nvcc of another CUDA major version than torch's, naming both and the ways out;
+    a different minor version is allowed with a note."""
+    check = _setup_functions("cuda_toolkit_problem")["cuda_toolkit_problem"]
+    assert check("13.0", "13.0") == ("", "")
+    level, message = check("13.0", "12.8")
+    assert level == "error"
+    for part in ("CUDA 13.0", "CUDA 12.8", torch.__version__, "CUDA_HOME", "12.x", "cu130", "MPFUSED_FORCE_CPU=1"):
+        assert part in message, (part, message)
+    level, message = check("12.4", "13.0")
+    assert level == "error" and "cu124" in message and "13.x" in message
+    level, message = check("13.1", "13.0")
+    assert level == "note" and "13.1" in message and "13.0" in message
+
+
+def test_setup_reads_the_nvcc_release(tmp_path):
+    """The release number comes from $CUDA_HOME/bin/nvcc --version; an nvcc that prints none, or cannot run,
+    stops the build with a message naming it."""
+    read = _setup_functions("nvcc_version")["nvcc_version"]
+    (tmp_path / "bin").mkdir()
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+                    "echo 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    nvcc.chmod(0o755)
+    assert read(str(tmp_path)) == "12.4"
+    nvcc.write_text("#!/bin/sh\necho 'something else'\n")
+    with pytest.raises(SystemExit, match="printed no release number"):
+        read(str(tmp_path))
+    with pytest.raises(SystemExit, match="could not run"):
+        read(str(tmp_path / "missing"))

@@ -65,6 +65,23 @@ inline std::vector<PlanLaunch> plan_multi_tensor(const int64_t* numel, int64_t n
   return launches;
 }
 
+// The CUDA multi-tensor launches pass up to 32 KB of kernel arguments (the tensor lists above), which the
+// CUDA 12.1 runtime and a driver of CUDA 12.1 or newer (R530+) accept; an older driver refuses the launch
+// with an unhelpful error. cudaDriverGetVersion's value (1000 * major + 10 * minor; 0: no driver) is
+// checked before the first such launch.
+constexpr int kLargeKernelParamsDriver = 12010;
+
+// Empty when `driver_version` can launch the multi-tensor kernels, else the error to raise, naming it.
+inline std::string large_kernel_params_driver_error(int driver_version) {
+  if (driver_version >= kLargeKernelParamsDriver) return {};
+  const std::string found = driver_version <= 0 ? std::string("no CUDA driver (cudaDriverGetVersion gave ") +
+                                                      std::to_string(driver_version) + ")"
+                                                : "a driver for CUDA " + std::to_string(driver_version / 1000) + "." +
+                                                      std::to_string((driver_version % 1000) / 10);
+  return "mpfused: this machine has " + found + "; mpfused's multi-tensor CUDA kernels pass up to 32 KB of kernel "
+         "arguments, which needs an NVIDIA driver for CUDA 12.1 or newer (R530 or later). Update the NVIDIA driver.";
+}
+
 inline int64_t plan_total_items(const std::vector<PlanLaunch>& plan) {
   int64_t total = 0;
   for (const auto& l : plan) total += static_cast<int64_t>(l.items.size());

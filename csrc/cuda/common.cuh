@@ -7,10 +7,38 @@
 #include <stdexcept>
 #include <string>
 
+#include "../core/multi_tensor_plan.h"
+
 namespace mpf {
 
 inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mpfused: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Makes `device` current for the guard's scope (for a host-side query on another device).
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~CudaDeviceGuard() { cudaSetDevice(previous_); }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// Before the first launch that passes more than 4 KB of kernel arguments: the driver must be new enough
+// (core/multi_tensor_plan.h). Queried once per process; throws the same error on every call when too old.
+inline void require_large_kernel_params() {
+  static const std::string error = [] {
+    int version = 0;
+    if (cudaDriverGetVersion(&version) != cudaSuccess) version = 0;
+    return large_kernel_params_driver_error(version);
+  }();
+  if (!error.empty()) throw std::runtime_error(error);
 }
 
 // Blocks of `threads` threads for a grid-stride loop over `items` work items: enough to cover them, but no
@@ -40,6 +68,19 @@ __device__ __forceinline__ T block_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   }
   return v;
+}
+
+// The last-block-done handshake of a launch, called by thread 0 of every block after its results are
+// written: true in the block that arrives last. The counter must be zero at the launch and used by this
+// launch alone (the Python layer keys the counters it lends by device and stream, and a graph capture gets
+// scratch counters of its own); the last block zeroes it again. A counter that passes gridDim means it was
+// shared with a concurrent launch or not zeroed, which would make some block reduce partials that are not
+// all written: the kernel traps instead (the launch fails with an error) rather than return a wrong result.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter) {
+  __threadfence();  // publish this block's results before counting it as done
+  const unsigned int arrived = atomicAdd(counter, 1u);
+  if (arrived >= gridDim.x) __trap();
+  return arrived == gridDim.x - 1;
 }
 
 // A 16-byte vector of N elements of T, for 128-bit global loads and stores.

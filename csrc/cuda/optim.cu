@@ -299,10 +299,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 __device__ __forceinline__ void finish_steps(const OptimLaunch& a, unsigned int* counter) {
   __shared__ bool is_last;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  }
+  if (threadIdx.x == 0) is_last = arrive_last(counter);
   __syncthreads();
   if (!is_last) return;
   __threadfence();
@@ -363,6 +360,7 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOptimLimits);
+  require_large_kernel_params();  // the update and the step increment both take 32 KB argument packs
   OptimConsts consts{};
   for (int i = 0; i < kMaxHyper; ++i) {
     consts.hyper[i] = a.hyper[i];

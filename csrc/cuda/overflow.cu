@@ -111,8 +111,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) {
     if constexpr (Mode::kSumsq) partials[blockIdx.x] = block_total;
     if (role.overwrite) flags[blockIdx.x] = any_bad ? 1u : 0u;
-    __threadfence();  // publish the partial and the flag before counting this block as done
-    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    is_last = arrive_last(counter);  // after the partial and the flag are published
   }
   __syncthreads();
   if (!is_last) return;
@@ -147,6 +146,7 @@ void overflow_check_cuda(const OverflowArgs& a, const ScratchAllocator& scratch,
   std::vector<int64_t> numel(static_cast<size_t>(a.num_tensors));
   for (int64_t t = 0; t < a.num_tensors; ++t) numel[t] = a.tensors[t].numel;
   const std::vector<PlanLaunch> plan = plan_multi_tensor(numel.data(), a.num_tensors, kCudaOverflowLimits);
+  if (!plan.empty()) require_large_kernel_params();
   if (plan.empty()) {
     if (a.overwrite) {  // nothing to check: found_inf, sumsq and the norm are zero
       cuda_check(cudaMemsetAsync(a.found_inf, 0, sizeof(float), stream), "zeroing found_inf");

@@ -610,13 +610,11 @@ class FusedOptimizer(Optimizer):
         (group, params with a grad) per param group, validated."""
         return None
 
-    def _counter(self, device: torch.device) -> torch.Tensor:
-        """A zeroed int32 the update kernel borrows and leaves zeroed, one per device: with it the last
-        block of the update increments the step counters, so a step is one launch per group."""
-        counters = self.__dict__.setdefault("_mpf_counters", {})
-        if device not in counters:
-            counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return counters[device]
+    def _counter(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The zeroed int32 the update kernel borrows and leaves zeroed, one per device and stream
+        (_ops.borrowed_counter): with it the last block of the update increments the step counters, so a
+        step is one launch per group."""
+        return _ops.borrowed_counter(self.__dict__.setdefault("_mpf_counters", {}), device)
 
     def _hyper(self, group: dict, device: torch.device) -> dict:
         """The policy's hyperparameters (``_ops.optim_policies()[self._policy]["hyper"]``) from ``group``:
@@ -624,7 +622,7 @@ class FusedOptimizer(Optimizer):
         raise NotImplementedError
 
     def _fused_step(self, group: dict, params: list, grads: list, states: list, lr, scalars: dict,
-                    counter: torch.Tensor, write_grad: bool) -> None:
+                    counter: Optional[torch.Tensor], write_grad: bool) -> None:
         """The kernel call for one group's params on one device. ``scalars``: the keyword arguments of
         ``_ops.optim_step_`` for the unscale, clip and skip."""
         kernel_states = {}

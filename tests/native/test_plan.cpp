@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -130,5 +131,16 @@ int main() {
     threw = true;
   }
   CHECK(threw, "chunk_size 0 accepted");
+
+  // The driver check before the first 32 KB launch: CUDA 12.1 and newer pass; older drivers and no driver
+  // get an error that names what was found and what is needed.
+  for (int ok : {12010, 12020, 12080, 13000, 13010})
+    CHECK(mpf::large_kernel_params_driver_error(ok).empty(), "driver %d refused", ok);
+  const std::string old_driver = mpf::large_kernel_params_driver_error(12000);
+  CHECK(old_driver.find("a driver for CUDA 12.0") != std::string::npos, "no driver version in: %s", old_driver.c_str());
+  CHECK(old_driver.find("CUDA 12.1 or newer") != std::string::npos, "no requirement in: %s", old_driver.c_str());
+  CHECK(mpf::large_kernel_params_driver_error(11080).find("CUDA 11.8") != std::string::npos, "11.8 not named");
+  const std::string none = mpf::large_kernel_params_driver_error(0);
+  CHECK(none.find("no CUDA driver") != std::string::npos, "no driver not named: %s", none.c_str());
   return native_test::finish("test_plan");
 }
