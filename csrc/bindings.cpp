@@ -76,6 +76,21 @@ int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::
   return static_cast<int64_t>(mpf::plan_multi_tensor(numel.data(), static_cast<int64_t>(numel.size()), lim).size());
 }
 
+// Empty when mpfused's GEMM runs `dtype` ("float16" or "bfloat16") inputs on CUDA device `index`, else
+// the reason (FusedLinear then falls back to torch's matmul, with a warning).
+std::string gemm_unsupported(const std::string& dtype, int64_t index) {
+  if (dtype != "float16" && dtype != "bfloat16") fail("dtype must be 'float16' or 'bfloat16', got '" + dtype + "'");
+#ifdef MPFUSED_WITH_CUDA
+  const int64_t count = c10::cuda::device_count();
+  if (index < 0 || index >= count)
+    fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
+  return mpf::gemm_unsupported(dtype == "float16" ? DType::kFloat16 : DType::kBFloat16, static_cast<int>(index));
+#else
+  (void)index;
+  return "this mpfused build has no CUDA kernels (built CPU-only)";
+#endif
+}
+
 pybind11::dict build_info() {
   pybind11::dict d;
   d["version"] = MPFUSED_VERSION;
@@ -106,5 +121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");
+  m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
+        "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
 }

@@ -4,6 +4,7 @@ the bias and the activation fused into the GEMM's epilogue; ``convert_linear`` s
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -27,6 +28,34 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     if activation in _GELU_APPROXIMATE:
         return F.gelu(y, approximate=_GELU_APPROXIMATE[activation])
     return y
+
+
+def _query_gemm(device: torch.device, dtype: torch.dtype) -> str:
+    """The extension's answer: empty when its GEMM runs ``dtype`` inputs on ``device``, else why not."""
+    if device.type != "cuda" or not _ops.has_cuda_kernels():
+        return ""
+    return _ops._C.gemm_unsupported(str(dtype).removeprefix("torch."), device.index)
+
+
+_GEMM_UNSUPPORTED: dict = {}  # (device, dtype) -> _query_gemm's answer
+
+
+@torch.compiler.assume_constant_result
+def _gemm_unsupported(device: torch.device, dtype: torch.dtype) -> str:
+    """Empty when mpfused's GEMM runs ``dtype`` inputs on ``device``, else the reason (BF16 below sm_80, or
+    a build without an sm_80+ BF16 kernel). Asked once per device and dtype; the first time the answer is
+    not empty, one RuntimeWarning says that FusedLinear computes with torch's matmul there instead. A
+    constant under torch.compile (no graph break)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    reason = _GEMM_UNSUPPORTED.get(key)
+    if reason is None:
+        reason = _GEMM_UNSUPPORTED[key] = _query_gemm(device, dtype)
+        if reason:
+            warnings.warn(f"FusedLinear on {device} with {dtype} inputs computes with torch's matmul (F.linear) and "
+                          f"the activation instead of mpfused's fused GEMM: {reason}", RuntimeWarning, stacklevel=2)
+    return reason
 
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -71,6 +100,10 @@ class FusedLinear(nn.Module):
       ``nn.Linear`` + the activation compute. mpfused's GEMM is a low-precision GEMM; FP32 (and FP64)
       layers keep torch's FP32 GEMM. So do tensor subclasses that intercept dispatch (DTensor, wrapper
       subclasses): they compute through their own dispatch, which the fused kernel cannot join.
+
+    - On a GPU where mpfused's GEMM cannot run the dtype (BF16 below compute capability 8.0, e.g. a T4 on
+      sm_75, or a build without an sm_80+ BF16 kernel): ``F.linear`` + the activation, with one
+      RuntimeWarning per device and dtype that says why.
 
     Double backward (``create_graph=True``) is not supported on the fused path and raises.
     """
@@ -126,6 +159,8 @@ class FusedLinear(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(f"{type(self).__name__}: the input's last dim must be in_features={self.in_features}, "
                                f"got an input of shape {tuple(x.shape)}")
+        if _gemm_unsupported(x.device, x.dtype):  # BF16 on a GPU older than sm_80: torch's matmul, warned once
+            return _activate(F.linear(x, weight, bias), self.activation)
         lead = x.shape[:-1]
         x2d = x.reshape(math.prod(lead), self.in_features)
         out = _fused_linear(x2d, weight, bias, self.activation)

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpfused
 from mpfused import _ops
+from conftest import requires_cuda
 from mpfused.nn import FusedLinear, convert_linear
 from tolerances import LINEAR_REL_TOL, LINEAR_VS_TORCH_FACTOR
 
@@ -123,6 +124,66 @@ def test_fp32_falls_back_to_torch_exactly(device, activation):
     theirs = run(lambda t: activate(ref(t), activation), x, [ref.weight, ref.bias], g)
     for o, t in zip(ours, theirs):
         assert torch.equal(o, t)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_unsupported_dtype_falls_back_to_torch_with_one_warning(device, activation, monkeypatch):
+    """Where the extension says its GEMM cannot run a dtype (BF16 on sm_75: simulated by its answer),
+    FusedLinear computes torch's F.linear + the activation, bit for bit, forward and backward (under
+    autocast too), never calls the fused operator, and warns once per device and dtype with the reason."""
+    import mpfused.nn as mnn
+
+    reason = "mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_75"
+    asked = []
+
+    def query(dev, dtype):
+        asked.append((dev, dtype))
+        return reason if dtype == torch.bfloat16 else ""
+
+    def no_gemm(*args, **kwargs):
+        raise AssertionError("the fused GEMM ran")
+
+    monkeypatch.setattr(mnn, "_query_gemm", query)
+    monkeypatch.setattr(mnn, "_GEMM_UNSUPPORTED", {})
+    monkeypatch.setattr(mnn._ops, "gemm", no_gemm)
+    torch.manual_seed(2)
+    fused = FusedLinear(12, 7, activation=activation, device=device).to(torch.bfloat16)
+    ref = nn.Linear(12, 7, device=device, dtype=torch.bfloat16)
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 3, 12, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2, 3, 7, device=device)
+    with pytest.warns(RuntimeWarning, match="torch's matmul.*compute capability 8.0") as record:
+        ours = run(fused, x, [fused.weight, fused.bias], g)
+        again = run(fused, x, [fused.weight, fused.bias], g)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            fused.float()(x.float())
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert len(asked) == 1  # asked once per device and dtype
+    theirs = run(lambda t: activate(ref(t), activation), x, [ref.weight, ref.bias], g)
+    for o, a, t in zip(ours, again, theirs):
+        assert torch.equal(o, t) and torch.equal(a, t)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", LOW)
+def test_gemm_support_answer_follows_the_compute_capability(dtype):
+    """The extension's answer on a real GPU: FP16 always runs; BF16 runs from compute capability 8.0 (with
+    an sm_80+ image in the build), and below it the reason names the GPU's arch."""
+    import mpfused.nn as mnn
+
+    for index in range(torch.cuda.device_count()):
+        answer = _ops._C.gemm_unsupported(str(dtype).removeprefix("torch."), index)
+        major, minor = torch.cuda.get_device_capability(index)
+        if dtype == torch.float16 or major >= 8:
+            assert answer == "", (index, answer)
+        else:
+            assert f"sm_{major}{minor}" in answer
+        assert mnn._query_gemm(torch.device("cuda", index), dtype) == answer
+    with pytest.raises(ValueError, match="index must name a visible CUDA device"):
+        _ops._C.gemm_unsupported("float16", torch.cuda.device_count())
+    with pytest.raises(ValueError, match="dtype must be 'float16' or 'bfloat16'"):
+        _ops._C.gemm_unsupported("float32", 0)
 
 
 def test_same_init_and_state_dict_as_nn_linear(device):

@@ -379,26 +379,33 @@ void dispatch_layout(const KernelParams& kp, const GemmPlan& plan, cudaStream_t 
 
 }  // namespace
 
+std::string gemm_unsupported(DType input_dtype, int device) {
+  if (input_dtype != DType::kBFloat16) return {};
+  int major = 0, minor = 0;
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
+  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
+  if (major < 8)
+    return "mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
+           std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.";
+  // The image that runs must have been built for sm_80+ too: on a newer GPU a build that only holds
+  // compute_75 PTX would JIT the sm_75 trap.
+  const CudaDeviceGuard guard(device);
+  cudaFuncAttributes attr{};
+  cuda_check(cudaFuncGetAttributes(&attr, gemm_kernel<__nv_bfloat16, false, false, true>), "gemm: kernel query");
+  if (attr.ptxVersion < 80)
+    return "mpfused.gemm: this build has no bfloat16 GEMM for this GPU (its kernels were compiled for compute_" +
+           std::to_string(attr.ptxVersion) + "); rebuild with TORCH_CUDA_ARCH_LIST including 8.0 or newer, or use "
+           "float16 inputs.";
+  return {};
+}
+
 void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   if (args.batch <= 0 || args.m <= 0 || args.n <= 0) return;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
-  int device = 0, major = 0, minor = 0;
+  int device = 0;
   cuda_check(cudaGetDevice(&device), "gemm: cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
-  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
-  if (args.a.dtype == DType::kBFloat16) {
-    if (major < 8)
-      throw std::runtime_error("mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
-                               std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.");
-    // The image that runs must have been built for sm_80+ too: on a newer GPU a build that only holds
-    // compute_75 PTX would JIT the sm_75 trap.
-    cudaFuncAttributes attr{};
-    cuda_check(cudaFuncGetAttributes(&attr, gemm_kernel<__nv_bfloat16, false, false, true>), "gemm: kernel query");
-    if (attr.ptxVersion < 80)
-      throw std::runtime_error("mpfused.gemm: this build has no bfloat16 GEMM for this GPU (its kernels were compiled for "
-                               "compute_" + std::to_string(attr.ptxVersion) + "); rebuild with TORCH_CUDA_ARCH_LIST including 8.0 "
-                               "or newer, or use float16 inputs.");
-  }
+  const std::string unsupported = gemm_unsupported(args.a.dtype, device);
+  if (!unsupported.empty()) throw std::runtime_error(unsupported);
   const GemmPlan plan = plan_gemm(args.batch, args.m, args.n, args.a, args.b);
   if (plan.blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
   const int64_t out_elems = 16 / dtype_size(args.out_dtype);
