@@ -28,4 +28,10 @@ def device(request):
     return request.param
 
 
-requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
+_skip_without_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
+
+
+def requires_cuda(test):
+    """A test that needs a GPU: skipped with the reason without one, and marked ``cuda``, the marker by
+    which the GPU check's test and sanitizer stages select the GPU cases (``-m cuda``)."""
+    return pytest.mark.cuda(_skip_without_cuda(test))
