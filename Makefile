@@ -4,7 +4,8 @@
 #               tests/integrations: Lightning, accelerate, the Hugging Face Trainer
 #   make demo   the main job
 #   make cuda-check   the CUDA checks that need no GPU (compile for every arch, SASS, CUDA install path)
-#   make gpu-check    on a machine with a GPU: CUDA tests, compute-sanitizer, benchmarks -> JSON
+#   make gpu-check    on a machine with a GPU: build, CUDA tests, compute-sanitizer, benchmarks -> JSON, report;
+#               each stage alone: make gpu-check-<deps|build|tests|sanitize-TOOL|bench|report>
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,9 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
-.PHONY: venv build test test-python test-native test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check gpu-check clean
+.PHONY: venv build test test-python test-native test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
+        gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench \
+        gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck clean
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
@@ -106,8 +109,22 @@ cuda-install-check:
 cuda-check: sass-check cuda-install-check
 
 # ---- on a machine with a GPU (its torch already has CUDA; nothing is downloaded) ------------------
+# Each stage fits a 9-minute GPU window (timeout 540 inside) and ends with a summary line; the build stage
+# leaves mpfused/_C*.so and build/ for the others. `make gpu-check` runs them all in turn.
+#   make gpu-check-sanitize-memcheck FILES="tests/test_gemm.py"   one tool over some test files
+#   make gpu-check-bench BENCH="bench_optim bench_gemm"            some benchmarks
+SANITIZERS := memcheck racecheck synccheck initcheck
 gpu-check:
-	bash .ci/gpu_check.sh
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh all
+
+gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report:
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh $(patsubst gpu-check-%,%,$@)
+
+$(addprefix gpu-check-sanitize-,$(SANITIZERS)):
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh sanitize $(patsubst gpu-check-sanitize-%,%,$@) $(FILES)
+
+gpu-check-bench:
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh bench $(BENCH)
 
 clean:
 	rm -rf build mpfused/_C*.so mpfused/_build_config.py *.egg-info

@@ -1,49 +1,254 @@
 #!/usr/bin/env bash
-# `make gpu-check`: everything that needs a GPU, on a machine whose python already has a CUDA torch
-# (nothing is downloaded). Builds the CUDA extension in place, runs the whole test suite with the CUDA
-# cases enabled, runs compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over the CUDA tests of every kernel, and
-# runs the benchmarks, writing their JSON under benchmarks/results/.
-set -euo pipefail
+# The GPU check, in stages that each fit a short GPU window (9 minutes: `timeout 540` around each), on a
+# machine whose python already has a CUDA torch (nothing is downloaded):
+#
+#   bash .ci/gpu_check.sh deps        every tool and Python package the stages need, each missing one named
+#   bash .ci/gpu_check.sh build       the extension in place for the visible GPUs' archs only, all cores;
+#                                     leaves mpfused/_C*.so and build/ for the later stages (no rebuild)
+#   bash .ci/gpu_check.sh tests       the GPU cases of the test suite (pytest -m cuda)
+#   bash .ci/gpu_check.sh sanitize TOOL [FILE...]
+#                                     compute-sanitizer TOOL (memcheck, racecheck, synccheck, initcheck) over
+#                                     the GPU cases of the kernel test files (or of FILE...)
+#   bash .ci/gpu_check.sh bench [NAME...]
+#                                     the benchmarks (or benchmarks/NAME.py) on CUDA, short repetition mode,
+#                                     JSON under benchmarks/results/ named after the GPU
+#   bash .ci/gpu_check.sh report      every stage's summary line and the JSON the benchmarks wrote
+#   bash .ci/gpu_check.sh all         every stage in turn (each still under its own timeout)
+#
+# Each stage ends with one summary line, "gpu-check STAGE: PASS|FAIL|TIMEOUT in Ns: details", also kept in
+# build/gpu-check/summary.tsv for the report; its full output is in build/gpu-check/STAGE.log
+# (GPU_CHECK_LOGS names another folder).
+# GPU_STAGE_TIMEOUT (seconds, default 540) changes the limit; PYTHON the interpreter.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+LOGS=${GPU_CHECK_LOGS:-build/gpu-check}  # the logs and summary.tsv
+mkdir -p "$LOGS"
+command -v timeout >/dev/null || { echo "gpu-check: needs timeout (coreutils) for its stage limits"; exit 1; }
 
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a visible CUDA device'"
-MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace
-"$PY" -m mpfused
-"$PY" -c "import mpfused; assert mpfused.has_cuda_kernels(), 'the extension was built without CUDA'"
+# The test files that hold GPU cases of the kernels (the sanitizer stage's default).
+KERNEL_TEST_FILES=(tests/test_overflow.py tests/test_optim.py tests/test_lamb.py tests/test_lion.py tests/test_scaler.py
+                   tests/test_gemm.py tests/test_nn.py tests/test_random.py tests/test_fixed_point.py
+                   tests/test_optim_precision.py tests/test_torch_ops.py tests/test_cuda_launches.py)
 
-echo "== pytest (cpu and cuda)"
-"$PY" -m pytest -q tests
-
-SANITIZER=${COMPUTE_SANITIZER:-compute-sanitizer}
-if ! command -v "$SANITIZER" >/dev/null && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]; then
-  SANITIZER="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
-fi
-if command -v "$SANITIZER" >/dev/null; then
-  # Only mpfused's kernels are instrumented (every one lives in namespace mpf: "mpf" is in each name), and
-  # torch's caching allocator is off, so that an access past a tensor's end lands outside any allocation
-  # (inside a cached block memcheck cannot see it). If this compute-sanitizer does not take the filter, the
-  # stage runs unfiltered and says so.
-  FILTER=(--kernel-name kns=mpf)
-  if ! "$SANITIZER" "${FILTER[@]}" --tool memcheck --error-exitcode 1 "$PY" -c "pass" >/dev/null 2>&1; then
-    echo "gpu-check: compute-sanitizer rejected '${FILTER[*]}': instrumenting every kernel" >&2
-    FILTER=()
-  fi
-  for tool in memcheck racecheck synccheck initcheck; do
-    echo "== compute-sanitizer --tool $tool"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" "${FILTER[@]}" --error-exitcode 1 --target-processes all \
-      "$PY" -m pytest -q -p no:cacheprovider -k "cuda" -m "not profiler and not big" tests/test_overflow.py tests/test_optim.py \
-        tests/test_lamb.py tests/test_lion.py tests/test_scaler.py tests/test_gemm.py tests/test_nn.py tests/test_random.py \
-        tests/test_fixed_point.py tests/test_optim_precision.py tests/test_torch_ops.py
+find_sanitizer() {
+  if [ -n "${COMPUTE_SANITIZER:-}" ]; then echo "$COMPUTE_SANITIZER"; return; fi
+  if command -v compute-sanitizer >/dev/null; then command -v compute-sanitizer; return; fi
+  for home in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
+    if [ -n "$home" ] && [ -x "$home/bin/compute-sanitizer" ]; then echo "$home/bin/compute-sanitizer"; return; fi
   done
-else
-  echo "gpu-check: compute-sanitizer not found" >&2
-  exit 1
+  local nvcc
+  if nvcc=$(command -v nvcc); then
+    nvcc=$(readlink -f "$nvcc")
+    if [ -x "$(dirname "$nvcc")/compute-sanitizer" ]; then echo "$(dirname "$nvcc")/compute-sanitizer"; return; fi
+  fi
+  return 1
+}
+
+# "N passed, M skipped in Xs" from a pytest log (its last summary line).
+pytest_counts() {
+  grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 | sed -E 's/=+//g; s/^ +| +$//g'
+}
+
+# Everything the stages need, checked in one interpreter run; prints "missing: ..." and fails when
+# something is absent. Every stage runs it first.
+check_deps() {
+  local missing=() out
+  out=$("$PY" - <<'PYEOF' 2>&1
+import importlib, sys
+missing = []
+if sys.version_info < (3, 9):
+    missing.append("python>=3.9")
+for name in ("torch", "numpy", "pytest", "hypothesis", "setuptools", "ninja", "rich", "tqdm", "matplotlib"):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        missing.append("python package " + name)
+try:
+    import torch
+    if not torch.version.cuda:
+        missing.append("a CUDA build of torch (this one has no CUDA)")
+    elif not torch.cuda.is_available():
+        missing.append("a visible CUDA device")
+    else:
+        print("torch", torch.__version__, "CUDA", torch.version.cuda, "|", ", ".join(
+            f"cuda:{i} {torch.cuda.get_device_name(i)} sm_{''.join(map(str, torch.cuda.get_device_capability(i)))}"
+            for i in range(torch.cuda.device_count())))
+except Exception:
+    pass
+for m in missing:
+    print("missing:", m)
+PYEOF
+  ) || missing+=("a working python ($PY)")
+  echo "$out"
+  while IFS= read -r line; do missing+=("${line#missing: }"); done < <(grep "^missing: " <<<"$out")
+  command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || missing+=("nvcc (on PATH or in \$CUDA_HOME/bin)")
+  find_sanitizer >/dev/null || missing+=("compute-sanitizer (on PATH, in \$CUDA_HOME/bin or beside nvcc)")
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "DETAIL missing: $(IFS=,; echo "${missing[*]}")"
+    return 1
+  fi
+  echo "compute-sanitizer: $(find_sanitizer)"
+}
+
+stage_deps() {
+  check_deps || return 1
+  echo "DETAIL all present"
+}
+
+stage_build() {
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  # The archs of the visible GPUs only ("9.0", or "8.0;9.0" on a mixed machine): a fraction of the
+  # all-arch build's time.
+  local archs
+  archs=$("$PY" -c "import torch; print(';'.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i)
+                                                          for i in range(torch.cuda.device_count())})))") || return 1
+  echo "building for TORCH_CUDA_ARCH_LIST=$archs with $(nproc) jobs"
+  TORCH_CUDA_ARCH_LIST="$archs" MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace || return 1
+  "$PY" -m mpfused || return 1
+  "$PY" -c "import mpfused; assert mpfused.has_cuda_kernels(), 'the extension was built without CUDA kernels'" || return 1
+  echo "DETAIL built for $archs: $(ls mpfused/_C*.so)"
+}
+
+require_build() {
+  "$PY" -c "import mpfused, sys; sys.exit(0 if mpfused.has_cuda_kernels() else 1)" 2>/dev/null && return 0
+  echo "no CUDA build of mpfused here: run the build stage first (make gpu-check-build)"
+  return 1
+}
+
+stage_tests() {
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  require_build || return 1
+  local log="$LOGS/tests.pytest.log"
+  "$PY" -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "DETAIL $(pytest_counts "$log")"
+  return "$rc"
+}
+
+stage_sanitize() {
+  local tool=${1:-}
+  case "$tool" in
+    memcheck | racecheck | synccheck | initcheck) shift ;;
+    *) echo "sanitize: the first argument must be memcheck, racecheck, synccheck or initcheck, got '${tool}'"; return 2 ;;
+  esac
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  require_build || return 1
+  local files=("$@")
+  [ ${#files[@]} -gt 0 ] || files=("${KERNEL_TEST_FILES[@]}")
+  local sanitizer
+  sanitizer=$(find_sanitizer) || { echo "compute-sanitizer not found"; return 1; }
+  # Only mpfused's kernels are instrumented (each lives in namespace mpf: "mpf" is in every name), and
+  # torch's caching allocator is off, so that an access past a tensor's end lands outside any allocation
+  # (inside a cached block memcheck cannot see it). If this compute-sanitizer refuses the filter, every
+  # kernel is instrumented and the log says so.
+  local filter=(--kernel-name kns=mpf)
+  if ! "$sanitizer" "${filter[@]}" --tool memcheck --error-exitcode 1 "$PY" -c "pass" >/dev/null 2>&1; then
+    echo "compute-sanitizer rejected '${filter[*]}': instrumenting every kernel"
+    filter=()
+  fi
+  local log="$LOGS/sanitize-$tool.pytest.log"
+  # Deselected: launch counts seen by the profiler (none under the sanitizer), gigabyte tensors, and the
+  # test whose kernel traps on purpose.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" "${filter[@]}" --error-exitcode 1 \
+    --target-processes all "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not profiler and not big and not trap" \
+    "${files[@]}" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  local errors
+  errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$log" | awk '{s += $3} END {print s + 0}')
+  echo "DETAIL $tool over ${#files[@]} file(s): $(pytest_counts "$log"); sanitizer errors: $errors"
+  return "$rc"
+}
+
+stage_bench() {
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  require_build || return 1
+  local names=("$@") failed=0 done_list=()
+  if [ ${#names[@]} -eq 0 ]; then
+    for b in benchmarks/bench_*.py; do names+=("$(basename "$b" .py)"); done
+  fi
+  local name
+  for name in "${names[@]}"; do
+    # as modules of the benchmarks package, from the root (the in-place build); short repetition mode
+    echo "== benchmarks.$name"
+    if "$PY" -m "benchmarks.$name" --device cuda --json --max-seconds "${BENCH_MAX_SECONDS:-0.5}"; then
+      done_list+=("$name")
+    else
+      echo "benchmarks.$name FAILED"
+      failed=1
+    fi
+  done
+  echo "DETAIL ran: ${done_list[*]:-none}; JSON: $(ls benchmarks/results/*_cuda_*.json 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
+  return "$failed"
+}
+
+stage_report() {
+  echo "== summary of the stages run (build/gpu-check/summary.tsv)"
+  if [ -f "$LOGS/summary.tsv" ]; then
+    column -t -s $'\t' "$LOGS/summary.tsv" 2>/dev/null || cat "$LOGS/summary.tsv"
+  else
+    echo "(no stage has run yet)"
+  fi
+  echo "== benchmark JSON written on this GPU"
+  ls -l benchmarks/results/*_cuda_*.json 2>/dev/null || echo "(none)"
+  local failed
+  failed=$(awk -F'\t' '$2 != "PASS"' "$LOGS/summary.tsv" 2>/dev/null | grep -vc "^report" || true)
+  echo "DETAIL stages not passed: ${failed:-0}"
+  [ "${failed:-0}" -eq 0 ]
+}
+
+run_stage() {  # inside the timeout
+  local stage=$1
+  shift
+  case "$stage" in
+    deps) stage_deps ;;
+    build) stage_build ;;
+    tests) stage_tests ;;
+    sanitize) stage_sanitize "$@" ;;
+    bench) stage_bench "$@" ;;
+    report) stage_report ;;
+    *) echo "unknown stage '$stage': deps, build, tests, sanitize TOOL [FILE...], bench [NAME...], report, all"; return 2 ;;
+  esac
+}
+
+if [ "${1:-}" = "--inner" ]; then
+  shift
+  run_stage "$@"
+  exit $?
 fi
 
-echo "== benchmarks"
-for bench in benchmarks/bench_*.py; do  # as modules of the benchmarks package, from the root (the in-place build)
-  "$PY" -m "benchmarks.$(basename "$bench" .py)" --device cuda --json
-done
-echo "gpu-check: OK; results in benchmarks/results/"
+stage_with_timeout() {
+  local stage=$1 label=$1
+  [ "$stage" = sanitize ] && label="sanitize-${2:-}"
+  local log="$LOGS/$label.log" limit=${GPU_STAGE_TIMEOUT:-540} start=$SECONDS
+  timeout -k 15 "$limit" bash "$0" --inner "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]} status=PASS
+  [ "$rc" -eq 0 ] || status=FAIL
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && status=TIMEOUT
+  local detail
+  detail=$(grep "^DETAIL " "$log" | tail -1 | cut -c8-)
+  [ "$status" = TIMEOUT ] && detail="stopped after ${limit}s; ${detail:-no summary}"
+  local line="gpu-check $label: $status in $((SECONDS - start))s: ${detail:-see $log}"
+  echo "$line"
+  if [ -f "$LOGS/summary.tsv" ]; then  # the stage's previous line is replaced
+    { grep -v "^$label"$'\t' "$LOGS/summary.tsv" || true; } > "$LOGS/summary.tsv.new"
+    mv "$LOGS/summary.tsv.new" "$LOGS/summary.tsv"
+  fi
+  printf '%s\t%s\t%ss\t%s\n' "$label" "$status" "$((SECONDS - start))" "${detail:-}" >> "$LOGS/summary.tsv"
+  return "$rc"
+}
+
+case "${1:-all}" in
+  all)
+    rc=0
+    stage_with_timeout deps || exit 1
+    stage_with_timeout build || exit 1
+    stage_with_timeout tests || rc=1
+    for tool in memcheck racecheck synccheck initcheck; do stage_with_timeout sanitize "$tool" || rc=1; done
+    stage_with_timeout bench || rc=1
+    stage_with_timeout report || rc=1
+    exit "$rc"
+    ;;
+  *) stage_with_timeout "$@" ;;
+esac

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -427,8 +428,9 @@ def print_header(name: str, machine: dict[str, Any], roofs: Roofs) -> None:
 
 def json_path(args: argparse.Namespace, name: str) -> Optional[Path]:
     """Where ``--json`` asks the results to go: None without ``--json``, the given path, or
-    ``benchmarks/results/<name>_<device>.json`` when ``--json`` has no path (``<name>_cpu_<path>.json`` on
-    the CPU, one file per CPU code path: scalar, avx2, avx512)."""
+    ``benchmarks/results/<name>_<device>_<what>.json`` when ``--json`` has no path: on the CPU one file per
+    CPU code path (``<name>_cpu_avx512.json``), on CUDA one per GPU model (``<name>_cuda_nvidia-h100-80gb-hbm3.json``:
+    the device name, lowercased, with every other character than a letter or digit as ``-``)."""
     if args.json is None:
         return None
     if args.json:
@@ -437,7 +439,8 @@ def json_path(args: argparse.Namespace, name: str) -> Optional[Path]:
         import mpfused
 
         return RESULTS_DIR / f"{name}_cpu_{mpfused.build_info()['cpu_isa']}.json"
-    return RESULTS_DIR / f"{name}_{args.device.type}.json"
+    gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip("-")
+    return RESULTS_DIR / f"{name}_{args.device.type}_{gpu}.json"
 
 
 def write_json(path: Path, machine: dict[str, Any], roofs: Roofs, results: Sequence[dict[str, Any]],
