@@ -112,13 +112,17 @@ cuda-check: sass-check cuda-install-check
 # Each stage fits a 9-minute GPU window (timeout 540 inside) and ends with a summary line; the build stage
 # leaves mpfused/_C*.so and build/ for the others. `make gpu-check` runs them all in turn.
 #   make gpu-check-sanitize-memcheck FILES="tests/test_gemm.py"   one tool over some test files
+#   make gpu-check-tests FILES="tests/test_optim.py"               the GPU cases of some test files
 #   make gpu-check-bench BENCH="bench_optim bench_gemm"            some benchmarks
 SANITIZERS := memcheck racecheck synccheck initcheck
 gpu-check:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh all
 
-gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report:
+gpu-check-deps gpu-check-build gpu-check-report:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh $(patsubst gpu-check-%,%,$@)
+
+gpu-check-tests:
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh tests $(FILES)
 
 $(addprefix gpu-check-sanitize-,$(SANITIZERS)):
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh sanitize $(patsubst gpu-check-sanitize-%,%,$@) $(FILES)

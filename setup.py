@@ -78,9 +78,9 @@ def cuda_toolkit_problem(nvcc_version: str, torch_cuda: str) -> tuple:
         return "error", (
             f"mpfused: nvcc is CUDA {nvcc_version} but torch {torch.__version__} was built with CUDA {torch_cuda}; "
             f"the CUDA kernels must be compiled by a toolkit of the same major version ({t[0]}.x). Either point "
-            f"CUDA_HOME at a CUDA {t[0]}.x toolkit (with its nvcc), or install a torch built for CUDA {n[0]} "
-            f"(pip install torch --index-url https://download.pytorch.org/whl/cu{n[0]}{n[1]}), or build without "
-            "the CUDA kernels: MPFUSED_FORCE_CPU=1.")
+            f"CUDA_HOME at a CUDA {t[0]}.x toolkit (with its nvcc), or install a torch built for CUDA {n[0]}.x "
+            "(the CUDA variants and their pip commands: https://pytorch.org/get-started/locally/), or build "
+            "without the CUDA kernels: MPFUSED_FORCE_CPU=1.")
     return "note", (f"mpfused: nvcc is CUDA {nvcc_version}, torch was built with CUDA {torch_cuda}: the same major "
                     "version, which CUDA's minor version compatibility allows")
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check, in stages that each fit a short GPU window (9 minutes: `timeout 540` around each), on a
-# machine whose python already has a CUDA torch (nothing is downloaded):
+# machine whose python already has a CUDA torch (nothing is downloaded). A stage given files or
+# benchmark names keeps a summary line of its own (e.g. sanitize-memcheck-gemm):
 #
 #   bash .ci/gpu_check.sh deps        every tool and Python package the stages need, each missing one named
 #   bash .ci/gpu_check.sh build       the extension in place for the visible GPUs' archs only, all cores;
 #                                     leaves mpfused/_C*.so and build/ for the later stages (no rebuild)
-#   bash .ci/gpu_check.sh tests       the GPU cases of the test suite (pytest -m cuda)
+#   bash .ci/gpu_check.sh tests [FILE...]
+#                                     the GPU cases of the test suite (pytest -m cuda) and the demo on the
+#                                     GPU, or the GPU cases of FILE...
 #   bash .ci/gpu_check.sh sanitize TOOL [FILE...]
 #                                     compute-sanitizer TOOL (memcheck, racecheck, synccheck, initcheck) over
 #                                     the GPU cases of the kernel test files (or of FILE...)
@@ -18,9 +21,11 @@
 # Each stage ends with one summary line, "gpu-check STAGE: PASS|FAIL|TIMEOUT in Ns: details", also kept in
 # build/gpu-check/summary.tsv for the report; its full output is in build/gpu-check/STAGE.log
 # (GPU_CHECK_LOGS names another folder).
-# GPU_STAGE_TIMEOUT (seconds, default 540) changes the limit; PYTHON the interpreter.
+# GPU_STAGE_TIMEOUT (seconds, default 525, plus 15 s for a stage that ignores TERM: 540 in all) changes
+# the limit; PYTHON the interpreter.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # re-invoked under the timeout, after the cd
+cd "$(dirname "$SELF")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 LOGS=${GPU_CHECK_LOGS:-build/gpu-check}  # the logs and summary.tsv
@@ -33,7 +38,10 @@ KERNEL_TEST_FILES=(tests/test_overflow.py tests/test_optim.py tests/test_lamb.py
                    tests/test_optim_precision.py tests/test_torch_ops.py tests/test_cuda_launches.py)
 
 find_sanitizer() {
-  if [ -n "${COMPUTE_SANITIZER:-}" ]; then echo "$COMPUTE_SANITIZER"; return; fi
+  if [ -n "${COMPUTE_SANITIZER:-}" ]; then
+    if [ -x "$COMPUTE_SANITIZER" ] || command -v "$COMPUTE_SANITIZER" >/dev/null; then echo "$COMPUTE_SANITIZER"; return; fi
+    return 1
+  fi
   if command -v compute-sanitizer >/dev/null; then command -v compute-sanitizer; return; fi
   for home in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
     if [ -n "$home" ] && [ -x "$home/bin/compute-sanitizer" ]; then echo "$home/bin/compute-sanitizer"; return; fi
@@ -120,10 +128,21 @@ require_build() {
 stage_tests() {
   check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
   require_build || return 1
-  local log="$LOGS/tests.pytest.log"
-  "$PY" -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$log"
-  local rc=${PIPESTATUS[0]}
-  echo "DETAIL $(pytest_counts "$log")"
+  local log="$LOGS/${LABEL:-tests}.pytest.log" rc=0 counts
+  if [ $# -gt 0 ]; then
+    "$PY" -m pytest -q -p no:cacheprovider -m cuda "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    counts=$(pytest_counts "$log")
+  else
+    # the GPU cases of every file, then the demo, which trains on the GPU whenever there is one
+    "$PY" -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    counts="cuda cases: $(pytest_counts "$log")"
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_demo.py 2>&1 | tee "$log.demo"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    counts="$counts; demo: $(pytest_counts "$log.demo")"
+  fi
+  echo "DETAIL $counts"
   return "$rc"
 }
 
@@ -148,10 +167,10 @@ stage_sanitize() {
     echo "compute-sanitizer rejected '${filter[*]}': instrumenting every kernel"
     filter=()
   fi
-  local log="$LOGS/sanitize-$tool.pytest.log"
+  local log="$LOGS/${LABEL:-sanitize-$tool}.pytest.log"
   # Deselected: launch counts seen by the profiler (none under the sanitizer), gigabyte tensors, and the
   # test whose kernel traps on purpose.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" "${filter[@]}" --error-exitcode 1 \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
     --target-processes all "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not profiler and not big and not trap" \
     "${files[@]}" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
@@ -204,11 +223,11 @@ run_stage() {  # inside the timeout
   case "$stage" in
     deps) stage_deps ;;
     build) stage_build ;;
-    tests) stage_tests ;;
+    tests) stage_tests "$@" ;;
     sanitize) stage_sanitize "$@" ;;
     bench) stage_bench "$@" ;;
     report) stage_report ;;
-    *) echo "unknown stage '$stage': deps, build, tests, sanitize TOOL [FILE...], bench [NAME...], report, all"; return 2 ;;
+    *) echo "unknown stage '$stage': deps, build, tests [FILE...], sanitize TOOL [FILE...], bench [NAME...], report, all"; return 2 ;;
   esac
 }
 
@@ -218,11 +237,26 @@ if [ "${1:-}" = "--inner" ]; then
   exit $?
 fi
 
+# A stage's label: its name, the sanitizer's tool, and the files or benchmarks it was given (so that a
+# stage split over several runs keeps one summary line per part).
+stage_label() {
+  local label=$1
+  shift
+  if [ "$label" = sanitize ]; then label="sanitize-${1:-}"; shift; fi
+  local part
+  for part in "$@"; do
+    part=$(basename "$part" .py)
+    label="$label-${part#test_}"
+  done
+  echo "$label"
+}
+
 stage_with_timeout() {
-  local stage=$1 label=$1
-  [ "$stage" = sanitize ] && label="sanitize-${2:-}"
-  local log="$LOGS/$label.log" limit=${GPU_STAGE_TIMEOUT:-540} start=$SECONDS
-  timeout -k 15 "$limit" bash "$0" --inner "$@" 2>&1 | tee "$log"
+  # -k 15: a stage that ignores the TERM at the limit is killed 15 s later, within the 9-minute window
+  local label
+  label=$(stage_label "$@")
+  local log="$LOGS/$label.log" limit=${GPU_STAGE_TIMEOUT:-525} start=$SECONDS
+  LABEL=$label timeout -k 15 "$limit" bash "$SELF" --inner "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]} status=PASS
   [ "$rc" -eq 0 ] || status=FAIL
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && status=TIMEOUT

@@ -84,6 +84,8 @@ std::string gemm_unsupported(const std::string& dtype, int64_t index) {
   const int64_t count = c10::cuda::device_count();
   if (index < 0 || index >= count)
     fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
+  // torch's guard: restoring the previous device creates no CUDA context on a device that had none
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
   return mpf::gemm_unsupported(dtype == "float16" ? DType::kFloat16 : DType::kBFloat16, static_cast<int>(index));
 #else
   (void)index;

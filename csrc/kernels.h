@@ -218,7 +218,7 @@ void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
 // Throws std::runtime_error with a message for the user: gemm_unsupported's, or another.
 void gemm_cuda(const GemmArgs& args, void* stream);
 // Empty when gemm_cuda runs inputs of `input_dtype` on CUDA device `device`, else why not (BF16 below
-// sm_80, or a build without an sm_80+ image of the BF16 kernel).
+// sm_80, or a build without an sm_80+ image of the BF16 kernel). `device` must be the current device.
 std::string gemm_unsupported(DType input_dtype, int device);
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);

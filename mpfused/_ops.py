@@ -177,16 +177,16 @@ def borrowed_counter(store: dict, device: torch.device) -> Optional[torch.Tensor
       shared between the graph's replays and eager calls on any other stream. The graph then holds its own
       scratch counters and their memsets (one node each).
 
-    Under torch.compile the stream is not traced: compiled code gets one counter per device of its own.
+    - under torch.compile, which traces no stream: a counter baked into compiled code would be shared by
+      its calls on every stream (and one created while the first call is captured would never be zeroed).
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return None
-    if torch.compiler.is_compiling():
-        key = (device, "compiled")
-    else:
-        if _capturing(device):
-            return None
-        key = (device, torch.cuda.current_stream(device).stream_id)
+    if device.index is None:  # the default stream's id is 0 on every device: key by the actual device
+        device = torch.device("cuda", torch.cuda.current_device())
+    if _capturing(device):
+        return None
+    key = (device, torch.cuda.current_stream(device).stream_id)
     counter = store.get(key)
     if counter is None:
         counter = store[key] = torch.zeros(1, dtype=torch.int32, device=device)

@@ -58,6 +58,12 @@ def test_stages_refuse_bad_arguments_and_a_missing_build(tmp_path):
     labels = [row[0] for row in summary_rows(tmp_path)]
     assert labels.count("sanitize-leakcheck") == 1 and "nonsense" in labels
     assert torch.cuda.is_available() or {"build", "tests", "bench"} <= set(labels)
+    # a stage given files or benchmarks keeps a line per part
+    stage(tmp_path, "sanitize", "memcheck", "tests/test_gemm.py", "tests/test_nn.py")
+    stage(tmp_path, "tests", "tests/test_optim.py")
+    stage(tmp_path, "bench", "bench_gemm")
+    labels = [row[0] for row in summary_rows(tmp_path)]
+    assert {"sanitize-memcheck-gemm-nn", "tests-optim", "bench-bench_gemm"} <= set(labels), labels
     rc, out, line = stage(tmp_path, "report")
     assert rc != 0 and "sanitize-leakcheck" in out and "nonsense" in out
     assert line.startswith("gpu-check report: FAIL") and "stages not passed" in line

@@ -15,21 +15,6 @@ inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mpfused: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// Makes `device` current for the guard's scope (for a host-side query on another device).
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~CudaDeviceGuard() { cudaSetDevice(previous_); }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 // Before the first launch that passes more than 4 KB of kernel arguments: the driver must be new enough
 // (core/multi_tensor_plan.h). Queried once per process; throws the same error on every call when too old.
 inline void require_large_kernel_params() {

@@ -388,8 +388,8 @@ std::string gemm_unsupported(DType input_dtype, int device) {
     return "mpfused.gemm: bfloat16 inputs need tensor cores of compute capability 8.0 or newer; this GPU is sm_" +
            std::to_string(major) + std::to_string(minor) + ". Use float16 inputs on it.";
   // The image that runs must have been built for sm_80+ too: on a newer GPU a build that only holds
-  // compute_75 PTX would JIT the sm_75 trap.
-  const CudaDeviceGuard guard(device);
+  // compute_75 PTX would JIT the sm_75 trap. (Queried on the current device, which the caller made
+  // `device`.)
   cudaFuncAttributes attr{};
   cuda_check(cudaFuncGetAttributes(&attr, gemm_kernel<__nv_bfloat16, false, false, true>), "gemm: kernel query");
   if (attr.ptxVersion < 80)
