@@ -175,8 +175,7 @@ def borrowed_counter(store: dict, device: torch.device) -> Optional[torch.Tensor
     - while a CUDA graph is being captured: a counter created now would be zeroed only when the graph
       replays (an eager call after the capture would find garbage in it), and one created before would be
       shared between the graph's replays and eager calls on any other stream. The graph then holds its own
-      scratch counters and their memsets (one node each).
-
+      scratch counters and their memsets (one node each);
     - under torch.compile, which traces no stream: a counter baked into compiled code would be shared by
       its calls on every stream (and one created while the first call is captured would never be zeroed).
     """
