@@ -7,6 +7,7 @@ on threads, slices, layouts or the device."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,61 @@ def test_overflow_and_specials(device):
     assert bool(torch.isnan(round_stochastic(torch.full((16,), math.nan, device=device), torch.float16, seed=1).float()).all())
     zeros = round_stochastic(torch.tensor([0.0, -0.0], device=device), torch.float16, seed=1)
     assert bits(zeros).cpu().tolist() == [0, -32768]
+
+
+def sr_bits_reference(u: np.ndarray, r: np.ndarray, dtype) -> np.ndarray:
+    """core/stochastic.h's rounding rule on FP32 bit patterns u with the random values r (philox_words), in
+    numpy integer arithmetic: the definition the vector paths (and the GPU) must reproduce bit for bit."""
+    u = u.astype(np.uint32)
+    r16 = r.astype(np.uint32) >> np.uint32(16)
+    a = u & np.uint32(0x7FFFFFFF)
+    nan = a > np.uint32(0x7F800000)
+    if dtype == torch.bfloat16:  # the 16 random bits added below the kept half
+        rounded = (u + r16) >> np.uint32(16)
+        return np.where(nan, np.uint32(0x7FC0), rounded & np.uint32(0xFFFF)).astype(np.uint16)
+    with np.errstate(over="ignore"):  # the normal range's formula wraps below 2^-14, where it is not used
+        t = (a + (r16 >> np.uint32(3))) & np.uint32(0xFFFFE000)  # FP16's 13 dropped bits
+        normal = np.minimum((t >> np.uint32(13)) - np.uint32(112 << 10), np.uint32(0x7C00))
+    # the subnormal grid: |x| in units of 2^-40 (truncated), plus the 16 random bits, in whole 2^-24 steps
+    clamped = np.minimum(a, np.uint32(0x38800000)).view(np.float32)
+    n40 = (clamped * np.float32(2.0**40)).astype(np.int64).astype(np.uint32)
+    sub = (n40 + r16) >> np.uint32(16)
+    mag = np.where(a >= np.uint32(0x38800000), normal, sub)
+    mag = np.where(nan, np.uint32(0x7E00), mag)
+    return (((u >> np.uint32(16)) & np.uint32(0x8000)) | mag).astype(np.uint16)
+
+
+def every_kind_of_input(n: int) -> np.ndarray:
+    """FP32 bit patterns: uniform over all patterns (every exponent, NaNs with payloads, both signs), and
+    concentrated where the rules change: FP16's subnormal grid and its smallest normals, the binade below
+    FP16's overflow and past it, BF16's largest binade and infinities, zeros."""
+    g = np.random.default_rng(7)
+    pieces = [g.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)]
+    for lo, hi in ((0x33000000, 0x38800000), (0x38800000, 0x39000000), (0x477FE000, 0x47800400),
+                   (0x7F7F0000, 0x7F800000)):
+        mag = g.integers(lo, hi, n, dtype=np.uint64).astype(np.uint32)
+        pieces.append(mag | (g.integers(0, 2, n, dtype=np.uint64).astype(np.uint32) << np.uint32(31)))
+    pieces.append(np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x38800000,
+                            0x387FFFFF, 0x477FE000, 0x47800000], dtype=np.uint32))
+    mixed = np.concatenate(pieces)
+    return mixed[g.permutation(mixed.size)]
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("offset", [0, 3, 8 * 2**32 - 2000, 8 * 2**32 - 2005, 2**64 - 8 * 2**30])
+def test_bits_follow_the_rounding_rule_on_every_kind_of_input(device, dtype, offset):
+    """Bit for bit against the rule in numpy, on every class of input, for lengths that end mid-vector and
+    offsets that start mid-block or put a carry of the block index inside the tensor (the vector paths hand
+    such a pass to the scalar generator)."""
+    u = every_kind_of_input(1213)
+    n = min(u.size, 2**64 - offset)
+    u = u[:n]
+    x = torch.from_numpy(u.view(np.int32).copy()).view(torch.float32).to(device)
+    got = bits(round_stochastic(x, dtype, seed=0x9E3779B97F4A7C15, offset=offset)).cpu().numpy().view(np.uint16)
+    r = philox_words(n, 0x9E3779B97F4A7C15, offset, device=device).cpu().numpy().astype(np.uint32)
+    want = sr_bits_reference(u, r, dtype)
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, [(hex(int(u[i])), hex(int(r[i])), hex(int(got[i])), hex(int(want[i]))) for i in wrong[:5]]
 
 
 @pytest.mark.parametrize("dtype", LOWP)
