@@ -22,6 +22,7 @@ import mpfused
 from mpfused import fixed_point as fxp
 from mpfused.random import philox_words
 
+from test_random import reference_words
 from tolerances import SR_SIGMAS
 
 FORMATS = [(1, 0), (1, 7), (2, 14), (4, 12), (8, 8), (1, 15), (6, 10), (12, 12), (16, 16), (1, 31), (32, 0)]
@@ -31,8 +32,9 @@ def words(n, seed, offset, device="cpu"):
     return philox_words(n, seed, offset).numpy().astype(np.float64)
 
 
-def ref_codes(x, il, fl, rounding="nearest", seed=0, offset=0):
-    """Convert in float64 numpy (exact: x * 2^fl, the clamp to integer bounds, floor and frac are exact)."""
+def ref_codes(x, il, fl, rounding="nearest", seed=0, offset=0, word_source=None):
+    """Convert in float64 numpy (exact: x * 2^fl, the clamp to integer bounds, floor and frac are exact).
+    word_source(n, seed, offset): the random values (default: the extension's philox_words)."""
     x = np.asarray(x, dtype=np.float64)
     lo, hi = -(2.0 ** (il + fl - 1)), 2.0 ** (il + fl - 1) - 1
     v = np.nan_to_num(x * 2.0 ** fl, nan=0.0, posinf=hi, neginf=lo)
@@ -42,7 +44,8 @@ def ref_codes(x, il, fl, rounding="nearest", seed=0, offset=0):
     if rounding == "nearest":
         up = frac > 0.5
     else:
-        up = words(x.size, seed, offset).reshape(x.shape) < frac * 2.0 ** 32
+        w = (word_source or words)(x.size, seed, offset)
+        up = np.asarray(w, dtype=np.float64).reshape(x.shape) < frac * 2.0 ** 32
     return (n + up).astype(np.int64)
 
 
@@ -151,6 +154,19 @@ def test_offset_slicing(rounding, device):
                        fxp.quantize(m.t().contiguous(), 3, 12, rounding=rounding, seed=5))
 
 
+def test_stochastic_convert_across_a_carry_of_the_block_counter(device):
+    # The Philox block index (element index / 8) carries out of its low 32-bit word inside the tensor, which
+    # starts off a block boundary. The reference words come from the raw generator
+    # (test_random.reference_words), not from philox_words, which shares the CPU's pass logic.
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(8)) * 3
+    offset = ((1 << 32) - 40) * 8 + 5
+    for fmt in ((4, 12), (12, 12)):
+        codes = fxp.encode(x.to(device), *fmt, rounding="stochastic", seed=9, offset=offset)
+        expected = ref_codes(x.double().numpy(), *fmt, "stochastic", seed=9, offset=offset,
+                             word_source=reference_words)
+        np.testing.assert_array_equal(codes.cpu().numpy().astype(np.int64), expected)
+
+
 def test_same_bits_for_every_thread_count():
     x = torch.randn(600_000, generator=torch.Generator().manual_seed(4)) * 4
     a = torch.randint(-(1 << 12), 1 << 12, (64, 300), generator=torch.Generator().manual_seed(5), dtype=torch.int16)
@@ -161,6 +177,7 @@ def test_same_bits_for_every_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             results.append((fxp.quantize(x, 4, 12, rounding="stochastic", seed=1),
+                            fxp.encode(x, 4, 12, rounding="stochastic", seed=1, offset=3 * 1024 + 5),
                             fxp.encode(x, 4, 12), fxp.matmul(a, b, (4, 12), (4, 12), (8, 8), rounding="stochastic",
                                                              seed=3)))
     finally:

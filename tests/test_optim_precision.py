@@ -13,6 +13,7 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from conftest import requires_cuda
+from test_random import reference_words
 from tolerances import SR_SIGMAS
 
 ALL = [FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion]
@@ -222,11 +223,29 @@ def test_stochastic_write_back_matches_the_philox_reference(dtype, cls):
 
 
 @pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("lead", [0, 3])
+def test_stochastic_write_back_across_a_carry_of_the_block_counter(dtype, lead):
+    """A param whose element indices pass 2^35 (Philox block 2^32: the counter's low word carries),
+    starting `lead` elements into a block: the CPU's vector passes hand over to the scalar generator at
+    the carry. The reference words come from the raw generator (test_random.reference_words), not from
+    philox_words, which shares the CPU's pass logic."""
+    x = torch.randn(1500, generator=torch.Generator().manual_seed(6)).to(dtype)
+    p, step = x.clone(), torch.zeros(())
+    offset = (1 << 35) - 8 * 70 + lead  # the carry falls inside the first block of 512 of the visit
+    hyper = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    mpfused._ops.optim_step_("sgd", [p], [torch.ones_like(p)], [None], {}, [step], lr=1e-3, hyper=hyper,
+                             rounding="stochastic", seed=77, sr_offsets=[offset])
+    words = torch.tensor(reference_words(p.numel(), 77, offset, stream=(1, 1)), dtype=torch.int64)
+    assert float(step) == 1.0
+    assert torch.equal(bits(p), sr_reference(x.float() - 1e-3, words, dtype))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedLAMB])
 def test_stochastic_rounding_leaves_masters_and_fp32_params_alone(dtype, cls):
     # The 16-bit params sit at element offsets 0 and 37, the second over several of the CPU's blocks of
-    # 512, which with stochastic rounding are laid out from its first Philox block boundary (5 elements
-    # in) instead of from its start: the masters must not see it (LAMB: in either of its two passes).
+    # 512, which with stochastic rounding are laid out from its first Philox block boundary (3 elements
+    # in, at index 40) instead of from its start: the masters must not see it (LAMB: in either pass).
     g = torch.Generator().manual_seed(3)
     low = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (37, 1300)]
     f32 = [torch.nn.Parameter(torch.randn(300)) for _ in range(2)]

@@ -1,6 +1,7 @@
-// CPU backend of fixed point <IL, FL> (core/fixed_point.h): Convert over spans of whole buffers of random
-// bits, and the MACC parallel over output rows. Every element's random bits depend only on its index,
-// and the sums are exact integers, so results are the same for every thread count and CPU path.
+// CPU backend of fixed point <IL, FL> (core/fixed_point.h): Convert over spans of random bits that start
+// on Philox block boundaries, and the MACC parallel over output rows. Every element's random bits depend
+// only on its index, and the sums are exact integers, so results are the same for every thread count and
+// CPU path.
 #include <cstdint>
 
 #include "../kernels.h"

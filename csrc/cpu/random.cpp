@@ -1,5 +1,5 @@
 // CPU backend of the random bits and of stochastic rounding: Philox words drawn in vectorised blocks
-// (philox_blocks.inc), the rounding of core/stochastic.h, parallel over spans of whole buffers. Every
+// (philox_blocks.inc), the rounding of core/stochastic.h, parallel over spans that start on Philox block boundaries. Every
 // element's word depends only on its index, so the result is the same for every thread count and path.
 #include <cstdint>
 
