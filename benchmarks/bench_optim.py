@@ -32,7 +32,9 @@ AdamW          ``FusedAdamW.step()`` with ``grad_scale`` =  ``_amp_foreach_non_f
                                                             of the masters into the FP16/BF16 params; apex
                                                             ``FusedAdam(master_weights=True, capturable=True)``
                                                             stepped with a GradScaler, when ``import apex`` works
-host overhead  ``step()`` on 300 one-element tensors        ``torch.optim.AdamW(fused=True)`` on the same
+host overhead  ``step()`` on 300 one-element tensors: FP32,  ``torch.optim.AdamW(fused=True)`` on the same; the
+               FP16 O2, and FP16 without masters with       stochastic row against the nearest one (goal (i))
+               ``rounding`` "nearest" and "stochastic"
 SR FP16/BF16   ``FusedAdamW(master_weights=False,           the same step with ``rounding="nearest"`` (the
                rounding="stochastic").step()``              anchor: what stochastic rounding costs)
 remainder BF16 ``FusedAdamW(master_weights="remainder")``   ``FusedAdamW(master_weights=True)``: FP32 masters
@@ -173,6 +175,8 @@ ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
     "for-loop", "foreach", "fused", "torch O2", "apex")
 OURS_NEAREST = "mpfused FusedAdamW.step(), no masters, rounding='nearest'"
 OURS_SR = "mpfused FusedAdamW.step(), no masters, rounding='stochastic'"
+OVERHEAD_NEAREST = "mpfused FusedAdamW.step() FP16, no masters, rounding='nearest'"
+OVERHEAD_SR = "mpfused FusedAdamW.step() FP16, no masters, rounding='stochastic'"
 OURS_REMAINDER = "mpfused FusedAdamW.step(), master_weights='remainder'"
 OURS_MASTERS = "mpfused FusedAdamW.step(), master_weights=True (FP32 masters)"
 ANCHOR_NEAREST, ANCHOR_MASTERS = "nearest", "FP32 masters"
@@ -601,6 +605,13 @@ def overhead_section(device: torch.device) -> Section:
         name = f"mpfused FusedAdamW.step() {label}" + (" (grad_scale, found_inf)" if label != "FP32" else "")
         methods.append(method(name, "mpfused", opt.step, BYTES_FP32_ADAM, step_count=first_step(opt),
                               finite_tensors=lambda params=params: list(params)))
+    for name, rounding in ((OVERHEAD_NEAREST, "nearest"), (OVERHEAD_SR, "stochastic")):
+        # the stochastic step's own host work (each param's offset in the random stream) against nearest's
+        params = make_params(randn_list(sizes, device, SEED, dtype=torch.float16),
+                             randn_list(sizes, device, SEED + 1, std=GRAD_STD, dtype=torch.float16))
+        opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, master_weights=False, rounding=rounding, seed=SEED)
+        methods.append(method(name, "mpfused", opt.step, BYTES_LOWP_NO_MASTER, step_count=first_step(opt),
+                              finite_tensors=lambda params=params: list(params)))
     reason = torch_fused_reason(torch.optim.AdamW, device)
     params = make_params(randn_list(sizes, device, SEED), randn_list(sizes, device, SEED + 1, std=GRAD_STD))
     if reason:
@@ -912,8 +923,9 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
         add("cost of leaving p.grad unscaled: step() with grad_scale vs on unscaled grads", key,
             None if cost is None else 100.0 * cost, "{:+.1f}% time", "2 of 30 B/param: ~+7%", True, False,
             missing(key))
-    for key in SR_SECTIONS:
-        sr, nearest = find(records, key, OURS_SR), find(records, key, OURS_NEAREST)
+    for key, sr_name, nearest_name in [(k, OURS_SR, OURS_NEAREST) for k in SR_SECTIONS] + [
+            ("overhead", OVERHEAD_SR, OVERHEAD_NEAREST)]:
+        sr, nearest = find(records, key, sr_name), find(records, key, nearest_name)
         ratio = None if sr is None or nearest is None else sr["timing"]["median_s"] / nearest["timing"]["median_s"]
         add_goal("(i)", key, ratio, "{:.3f}", missing(key))
     rem, masters = find(records, "remainder", OURS_REMAINDER), find(records, "remainder", OURS_MASTERS)

@@ -107,7 +107,7 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, 
     """Times several callables in alternation and returns one :class:`Timing` per callable.
 
     Each callable gets ``warmup`` untimed calls, then the timed calls go round-robin: one call of each
-    callable per round. Slow drifts of the machine (other tenants of a virtual machine, clocks) then
+    callable per round, each round starting one callable further on. Slow drifts of the machine (other tenants of a virtual machine, clocks) then
     affect every callable alike, and ratios between them stay meaningful where timing them one after
     the other could be tens of percent off.
 
@@ -138,8 +138,13 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, 
 
     on_cuda = device.type == "cuda"
     samples: list[list] = [[] for _ in fns]  # CUDA: (start, end) event pairs; CPU: seconds
+    n = len(fns)
     for round_ in range(max(counts)):
-        for fn, count, out in zip(fns, counts, samples):
+        # each round starts one callable further on, so that each follows each other one equally often:
+        # a callable that runs right after another inherits its cache and allocator state (after a roof
+        # probe's copy, a cold cache), which a fixed order would charge to the same callable every round
+        for k in range(n):
+            fn, count, out = fns[(round_ + k) % n], counts[(round_ + k) % n], samples[(round_ + k) % n]
             if round_ >= count:
                 continue
             if on_cuda:

@@ -93,6 +93,38 @@ std::string gemm_unsupported(const std::string& dtype, int64_t index) {
 #endif
 }
 
+// FusedOptimizer.step()'s planned path (mpfused/optim/_base.py): None unless every grads[i] is a plain
+// torch.Tensor (or Parameter) that goes with params[i], a plain one too, as optim_step_ takes them
+// (grad_pairs); else the params' dtypes, devices, shapes and strides as bytes, which the plan compares with
+// those of the step it was made in. One pass in C++ (tens of ns a pair), before any kernel call writes.
+pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads) {
+  static PyObject* const parameter = pybind11::object(pybind11::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  const auto plain_type = [](PyObject* o) {
+    return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter);
+  };
+  const size_t n = params.size();
+  if (grads.size() != n) return pybind11::none();
+  std::vector<int64_t> out;
+  out.reserve(n * 9);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* const po = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(i));
+    PyObject* const go = PyList_GET_ITEM(grads.ptr(), static_cast<Py_ssize_t>(i));
+    if (!plain_type(po) || !plain_type(go)) return pybind11::none();
+    const at::Tensor& p = THPVariable_Unpack(po);
+    if (!grad_pairs(p, THPVariable_Unpack(go))) return pybind11::none();
+    out.push_back(static_cast<int64_t>(p.scalar_type()));
+    out.push_back(static_cast<int64_t>(p.device().type()));
+    out.push_back(p.device().index());
+    out.push_back(p.dim());
+    for (int64_t d = 0; d < p.dim(); ++d) {
+      out.push_back(p.size(d));
+      out.push_back(p.stride(d));
+    }
+  }
+  return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+}
+
 pybind11::dict build_info() {
   pybind11::dict d;
   d["version"] = MPFUSED_VERSION;
@@ -125,5 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
+  m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"),
+        "None unless each grad goes with its param in an optimizer step; else the params' layouts as bytes.");
   m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
 }

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
+from itertools import repeat
 from typing import Optional, Sequence
 
 import torch
@@ -260,7 +262,10 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     if rounding not in _ROUNDINGS:
         raise ValueError(f"Invalid rounding: {rounding!r} (expected 'nearest' or 'stochastic')")
     seed = u64_arg(seed, "seed")
-    sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
+    sr_offsets = list(sr_offsets)
+    if not (sr_offsets and set(map(type, sr_offsets)) == {int} and min(sr_offsets) >= 0 and max(sr_offsets) < 1 << 63):
+        # (the common case above is already the operator's int64: Python ints below 2^63, unchanged)
+        sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
     values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
     tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
     lr_value, lr_tensor = _lr_args(lr)
@@ -272,7 +277,12 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     state_tensors, state_index = [], []
     for name in spec["states"]:
         given, index = _indexed(states.get(name, ()), name, n)
-        state_index += [-1 if i < 0 else i + len(state_tensors) for i in index] if index else [-1] * n
+        if not index:
+            state_index += [-1] * n
+        elif len(given) == n:  # every param has it: positions in order
+            state_index += range(len(state_tensors), len(state_tensors) + n)
+        else:
+            state_index += [-1 if i < 0 else i + len(state_tensors) for i in index]
         state_tensors += given
     if not state_tensors:
         state_index = []
@@ -291,7 +301,7 @@ def _indexed(tensors, name: str, n: int) -> tuple:
         return [], []
     if len(tensors) != n:
         raise ValueError(f"{name} must be empty or have one entry per param ({n}), got {len(tensors)}")
-    if all(t is not None for t in tensors):
+    if not any(map(operator.is_, tensors, repeat(None))):
         return tensors, list(range(n))
     given = [t for t in tensors if t is not None]
     index, k = [], 0

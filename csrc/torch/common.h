@@ -74,6 +74,30 @@ inline void check_dense(const at::Tensor& t, const std::string& name) {
   if (t.layout() != at::kStrided) fail(name + " must be a dense (strided) tensor, got a sparse " + describe(t));
 }
 
+// The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its
+// elements out in memory as the param does: same shape, and the same stride in every dim of size > 1
+// (the stride of a size-1 dim never addresses memory). The param itself must be non-overlapping and dense
+// (contiguous, channels_last, any permutation of a contiguous tensor); then so is every tensor with its layout.
+inline bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
+  if (t.sizes() != ref.sizes()) return false;
+  for (int64_t d = 0; d < ref.dim(); ++d)
+    if (ref.size(d) > 1 && t.stride(d) != ref.stride(d)) return false;
+  return true;
+}
+
+// Whether grad g goes with param p in an optimizer step: both plain dense tensors with storage, p of a
+// kernel dtype, non-overlapping and dense, g of p's dtype, shape, device and memory layout. optim_step_'s
+// checks of a param and its grad say why not, one by one; FusedOptimizer.step()'s planned path asks this
+// of every pair before its first kernel call (mpfused._C.step_layout).
+inline bool grad_pairs(const at::Tensor& p, const at::Tensor& g) {
+  const auto plain = [](const at::Tensor& t) {
+    return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python);
+  };
+  DType d;
+  return plain(p) && plain(g) && kernel_dtype(p.scalar_type(), &d) && g.scalar_type() == p.scalar_type() &&
+         g.device() == p.device() && p.is_non_overlapping_and_dense() && same_layout(g, p);
+}
+
 // A float32 tensor of exactly one element on `device`: found_inf, inv_scale, sumsq.
 inline void check_scalar(const at::Tensor& t, const std::string& name, const at::Device& device) {
   check_dense(t, name);

@@ -15,17 +15,6 @@ namespace {
 using TensorList = std::vector<at::Tensor>;
 using OptTensorList = std::vector<std::optional<at::Tensor>>;
 
-// The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its
-// elements out in memory as the param does: same shape, and the same stride in every dim of size > 1
-// (the stride of a size-1 dim never addresses memory). The param itself must be non-overlapping and dense
-// (contiguous, channels_last, any permutation of a contiguous tensor); then so is every tensor with its layout.
-bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
-  if (t.sizes() != ref.sizes()) return false;
-  for (int64_t d = 0; d < ref.dim(); ++d)
-    if (ref.size(d) > 1 && t.stride(d) != ref.stride(d)) return false;
-  return true;
-}
-
 std::string describe_layout(const at::Tensor& t) {
   std::ostringstream s;
   s << describe(t) << " with strides " << t.strides();
@@ -102,25 +91,33 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     const std::string idx = "[" + std::to_string(i) + "]";
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
-    check_dense(p, "params" + idx);
-    const DType d = storage_dtype(p, "params" + idx);
+    const bool paired = grad_pairs(p, g);  // else the checks below say why, in this order
+    if (!paired) {
+      check_dense(p, "params" + idx);
+      storage_dtype(p, "params" + idx);
+    }
     if (i == 0) {
       device = p.device();
       check_backend(device, "params[0]");
     }
     if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
-    if (!p.is_non_overlapping_and_dense())
-      fail("params" + idx + " must be dense (contiguous, channels_last or another permutation of a contiguous "
-           "tensor), got a strided view " + describe_layout(p));
-    if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
-    check_plain(g, "grads" + idx);
-    if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
-    if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
-    if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
-    if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
-    if (!same_layout(g, p))
-      fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
-           describe_layout(g));
+    if (!paired) {
+      if (!p.is_non_overlapping_and_dense())
+        fail("params" + idx + " must be dense (contiguous, channels_last or another permutation of a contiguous "
+             "tensor), got a strided view " + describe_layout(p));
+      if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
+      check_plain(g, "grads" + idx);
+      if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
+      if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
+      if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
+      if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
+      if (!same_layout(g, p))
+        fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
+             describe_layout(g));
+      TORCH_INTERNAL_ASSERT(false, "grad_pairs refused params", idx, " and its grad for no reason the checks give");
+    }
+    DType d = DType::kFloat32;
+    kernel_dtype(p.scalar_type(), &d);  // true: grad_pairs said so
     mpf::OptimTensor t{};
     t.param = p.data_ptr();
     t.grad = g.data_ptr();

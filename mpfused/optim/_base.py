@@ -13,7 +13,8 @@ import warnings
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import is_, is_not
 from typing import Any, Callable, Optional
 
 import torch
@@ -250,6 +251,105 @@ class StepScaling:
             if not ok:
                 raise TypeError(f"StepScaling.clip must be (sumsq: one-element tensor, max_norm: number >= 0), "
                                 f"got {self.clip!r}")
+
+
+_NO_STATE: dict = {}  # read-only: the state of a param that keeps none
+
+
+def _plan_value(value):
+    """What of a group value decides the structure of a step (see _StepPlan.signature): a float only by
+    whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no buffer), a tensor by
+    being one (its value is read by the update), a sequence element by element, anything else as itself."""
+    if isinstance(value, float):
+        return value == 0.0
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    if isinstance(value, (tuple, list)):
+        return tuple(map(_plan_value, value))
+    return type(value), id(value)
+
+
+@dataclass
+class _GroupPlan:
+    group: dict
+    params: tuple  # the group's params when the plan was made
+    signature: tuple
+    mask: Optional[tuple]  # which params had a grad; None: all of them
+    layout: bytes  # _C.step_layout of the params with a grad
+    states: list  # their entries in the optimizer's state (None where none)
+    device: Optional[torch.device]
+    sr_offsets: Optional[list]
+
+
+@dataclass
+class _StepPlan:
+    """What a step of plain-tensor params fixed for the next one (FusedOptimizer.step's planned path).
+
+    The full path checks every param and grad, makes or mends each param's state (_state_for) and finds
+    the stochastic rounding's offsets: per param, several microseconds of Python, which dominate the step
+    of a model with many small tensors. What it decides depends only on the groups' structural values
+    (master_weights, rounding, seed, amsgrad, whether momentum is zero: ``signature``), on which params have
+    a grad, and on their dtypes, devices, shapes and strides; a step that repeats all of these, with the
+    same state entries, reuses the decisions and reads the state tensors afresh from the state dicts. Each
+    step still checks every grad against its param (in C++, ``_C.step_layout``, before the first kernel
+    call) and every group's values; anything else takes the full path (which then makes a new plan): a
+    DTensor group, a group's params on several devices, a grad that needed a copy, torch.compile tracing.
+    """
+
+    state: dict
+    groups: list
+    numels: Optional[list]  # every param's numel, for the offsets (stochastic rounding only)
+
+    @staticmethod
+    def signature(group: dict) -> tuple:
+        return tuple((k, _plan_value(v)) for k, v in group.items() if k != "params")
+
+    @classmethod
+    def make(cls, opt: "FusedOptimizer", work: list, offsets: Optional[dict]) -> Optional["_StepPlan"]:
+        """The plan of the step just taken (``work``: its groups and their params with a grad, checked and
+        updated), or None where a group cannot be planned."""
+        groups = []
+        for group, ps, _ in work:
+            params = group["params"]
+            layout = _ops._C.step_layout(ps, [p.grad for p in ps])
+            if layout is None:
+                return None
+            mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
+            sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in ps]
+                  if offsets is not None and group.get("rounding") == "stochastic" else None)
+            groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout,
+                                     list(map(opt.state.get, ps)), ps[0].device if ps else None, sr))
+        numels = None if offsets is None else [p.numel() for g in opt.param_groups for p in g["params"]]
+        return cls(opt.state, groups, numels)
+
+    def match(self, opt: "FusedOptimizer") -> Optional[list]:
+        """Per group (group, params with a grad, their grads, their state entries) when this step repeats the
+        plan's; else None."""
+        if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
+            return None
+        state_get = opt.state.get
+        calls = []
+        for group, gp in zip(opt.param_groups, self.groups):
+            params = group["params"]
+            if (group is not gp.group or len(params) != len(gp.params) or not all(map(is_, params, gp.params))
+                    or self.signature(group) != gp.signature):
+                return None
+            grads = [p.grad for p in params]
+            if gp.mask is None:
+                kps, kgrads = params, grads  # (a grad that is None now fails step_layout)
+            else:
+                if tuple(map(is_not, grads, repeat(None))) != gp.mask:
+                    return None
+                kps, kgrads = list(compress(params, gp.mask)), list(compress(grads, gp.mask))
+            states = list(map(state_get, kps))
+            if not all(map(is_, states, gp.states)) or _ops._C.step_layout(kps, kgrads) != gp.layout:
+                return None
+            calls.append((group, kps, kgrads, states))
+        if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
+            return None
+        return calls
 
 
 class FusedOptimizer(Optimizer):
@@ -509,6 +609,11 @@ class FusedOptimizer(Optimizer):
         elif not isinstance(scaling, StepScaling):
             raise TypeError(f"scaling must be a mpfused.optim.StepScaling or None, got {type(scaling).__name__}")
 
+        # The planned path: a step that repeats the last one's structure (see _StepPlan) skips the per-param
+        # work below whose outcome that step fixed.
+        if self._planned_step(scaling):
+            return loss
+
         # Everything is checked before anything (state included) is created or written.
         work = []
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
@@ -548,11 +653,77 @@ class FusedOptimizer(Optimizer):
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
                 group["seed"] = self._default_seed()
-        self._sr_offsets = offsets
 
         clip = scaling.clip
         if clip is None:
             clip = self._own_clip(work, scaling)
+        device_scalars = self._device_scalars(scaling, clip)
+
+        # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
+        # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
+        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        plannable = not torch.compiler.is_compiling()
+        for group, params, dtensors in work:
+            buckets: dict[torch.device, list] = defaultdict(list)
+            for p in params:
+                buckets[p.device].append(p)
+            plannable = plannable and not dtensors and len(buckets) <= 1
+            for device, ps in buckets.items():
+                states = [self._state_for(group, p) for p in ps]
+                # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
+                # goes through a copy in the param's layout.
+                grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
+                         for p, g in ((p, p.grad) for p in ps)]
+                # DTensors: the kernels update the local shards (the same memory as the DTensors)
+                kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
+                sr = [offsets[id(p)] for p in kps] if group.get("rounding") == "stochastic" else None
+                self._fused_step(group, kps, kgrads, kstates, self._device_lr(group, device), device_scalars(device),
+                                 self._counter(device), write_grad, sr)
+                for p, g in zip(ps, grads):
+                    if g is not p.grad:  # the grad went through a copy
+                        plannable = False
+                        if write_grad:
+                            p.grad.copy_(g)
+        self.__dict__["_mpf_plan"] = _StepPlan.make(self, work, offsets if stochastic else None) if plannable else None
+        return loss
+
+    def _planned_step(self, scaling: StepScaling) -> bool:
+        """The step on the plan the last step left (_StepPlan), when this one repeats that step's structure;
+        False, having checked and written nothing, when it does not (the caller then takes the full path)."""
+        plan = self.__dict__.get("_mpf_plan")
+        if plan is None or torch.compiler.is_compiling():
+            return False
+        calls = plan.match(self)
+        if calls is None:
+            return False
+        # the checks of the full path that the plan cannot fix: the groups' values, before anything is written
+        for gi, (group, kps, _, _) in enumerate(calls):
+            where = f" (param group {gi})"
+            check_precision(group, where)
+            self._check_group(group, where, in_step=True)
+            if group.get("capturable") and kps:
+                check_capturable(group, kps, scaling, where)
+        clip = scaling.clip
+        if clip is None:
+            clip = self._own_clip([(group, kps, False) for group, kps, _, _ in calls], scaling)
+        device_scalars = self._device_scalars(scaling, clip)
+        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        for (group, kps, kgrads, states), gp in zip(calls, plan.groups):
+            if kps:
+                device = gp.device
+                self._fused_step(group, kps, kgrads, states, self._device_lr(group, device), device_scalars(device),
+                                 self._counter(device), write_grad, gp.sr_offsets)
+        return True
+
+    @staticmethod
+    def _device_lr(group: dict, device: torch.device):
+        lr = group["lr"]
+        return copy_to(lr, device, torch.float32).reshape(1) if isinstance(lr, torch.Tensor) else lr
+
+    @staticmethod
+    def _device_scalars(scaling: StepScaling, clip: Optional[tuple]) -> Callable[[torch.device], dict]:
+        """The keyword arguments of ``_ops.optim_step_`` for the unscale, clip and skip on a device (made
+        once per device and step)."""
         per_device: dict[torch.device, dict] = {}
 
         def device_scalars(device: torch.device) -> dict:
@@ -570,31 +741,7 @@ class FusedOptimizer(Optimizer):
                 per_device[device] = kw
             return per_device[device]
 
-        # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
-        # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
-        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        for group, params, dtensors in work:
-            buckets: dict[torch.device, list] = defaultdict(list)
-            for p in params:
-                buckets[p.device].append(p)
-            for device, ps in buckets.items():
-                states = [self._state_for(group, p) for p in ps]
-                # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
-                # goes through a copy in the param's layout.
-                grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
-                         for p, g in ((p, p.grad) for p in ps)]
-                lr = group["lr"]
-                if isinstance(lr, torch.Tensor):
-                    lr = copy_to(lr, device, torch.float32).reshape(1)
-                # DTensors: the kernels update the local shards (the same memory as the DTensors)
-                kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
-                self._fused_step(group, kps, kgrads, kstates, lr, device_scalars(device), self._counter(device),
-                                 write_grad)
-                if write_grad:
-                    for p, g in zip(ps, grads):
-                        if g is not p.grad:  # the grad went through a copy
-                            p.grad.copy_(g)
-        return loss
+        return device_scalars
 
     @staticmethod
     def _local_views(params: list, grads: list, states: list) -> tuple:
@@ -622,24 +769,28 @@ class FusedOptimizer(Optimizer):
         raise NotImplementedError
 
     def _fused_step(self, group: dict, params: list, grads: list, states: list, lr, scalars: dict,
-                    counter: Optional[torch.Tensor], write_grad: bool) -> None:
-        """The kernel call for one group's params on one device. ``scalars``: the keyword arguments of
-        ``_ops.optim_step_`` for the unscale, clip and skip."""
+                    counter: Optional[torch.Tensor], write_grad: bool, sr_offsets: Optional[list]) -> None:
+        """The kernel call for one group's params on one device. ``states``: their state dicts (None for a
+        param without state). ``scalars``: the keyword arguments of ``_ops.optim_step_`` for the unscale,
+        clip and skip. ``sr_offsets``: each param's stochastic-rounding offset, when the group rounds
+        stochastically."""
+        if any(map(is_, states, repeat(None))):  # a param without state (SGD without momentum), from a plan
+            states = [_NO_STATE if s is None else s for s in states]
         kernel_states = {}
         for name in _POLICY_STATES[self._policy]:
             tensors = [s.get(name) for s in states]
-            if any(t is not None for t in tensors):
+            if not all(map(is_, tensors, repeat(None))):
                 kernel_states[name] = tensors
         steps = [s.get("step") for s in states]
         remainders = [s.get("master_remainder") for s in states]
+        masters = [s.get("master_param") for s in states]
         precision = {}
-        if any(r is not None for r in remainders):
+        if not all(map(is_, remainders, repeat(None))):
             precision["remainders"] = remainders
         if group.get("rounding") == "stochastic":
-            precision.update(rounding="stochastic", seed=group["seed"],
-                             sr_offsets=[self._sr_offsets[id(p)] for p in params])
-        _ops.optim_step_(self._policy, params, grads, [s.get("master_param") for s in states], kernel_states,
-                         steps if any(t is not None for t in steps) else [], lr=lr,
+            precision.update(rounding="stochastic", seed=group["seed"], sr_offsets=sr_offsets)
+        _ops.optim_step_(self._policy, params, grads, masters, kernel_states,
+                         [] if all(map(is_, steps, repeat(None))) else steps, lr=lr,
                          hyper=self._hyper(group, params[0].device), counter=counter, write_grad=write_grad,
                          **precision, **scalars)
 
