@@ -256,19 +256,48 @@ class StepScaling:
 _NO_STATE: dict = {}  # read-only: the state of a param that keeps none
 
 
+class _Same:
+    """A group value compared by identity in a plan's signature (no ``==`` on arbitrary objects); holding
+    it keeps its id from being reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    __hash__ = None
+
+
 def _plan_value(value):
-    """What of a group value decides the structure of a step (see _StepPlan.signature): a float only by
-    whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no buffer), a tensor by
-    being one (its value is read by the update), a sequence element by element, anything else as itself."""
-    if isinstance(value, float):
-        return value == 0.0
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
+    """What of a group value decides the structure of a step (see _StepPlan.signature), tagged with its
+    kind so that no two kinds compare equal (False == 0 == 0.0 in Python): a real number other than a bool
+    or an int only by whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no
+    buffer), a tensor by being one (the update reads its value), a sequence element by element, a bool,
+    int or str by its value, anything else by identity."""
+    if isinstance(value, (bool, int, str)) or value is None:
+        return type(value), value
+    if isinstance(value, numbers.Real):
+        return "real", bool(value == 0)
     if isinstance(value, torch.Tensor):
         return torch.Tensor
     if isinstance(value, (tuple, list)):
-        return tuple(map(_plan_value, value))
-    return type(value), id(value)
+        return type(value), tuple(map(_plan_value, value))
+    return _Same(value)
+
+
+# The state entries a kernel call reads, per param: the policy's states, then these.
+_PRECISION_KEYS = ("master_param", "master_remainder", "step")
+
+
+def _kernel_entries(policy: str, states: list) -> list:
+    """Per state key the kernel call reads (the policy's states, then _PRECISION_KEYS), the list of each
+    param's entry (None where it has none): what a plan compares by identity and _fused_step passes on."""
+    if any(map(is_, states, repeat(None))):  # a param without state (SGD without momentum), from a plan
+        states = [_NO_STATE if s is None else s for s in states]
+    return [[s.get(name) for s in states] for name in _POLICY_STATES[policy] + _PRECISION_KEYS]
 
 
 @dataclass
@@ -279,6 +308,7 @@ class _GroupPlan:
     mask: Optional[tuple]  # which params had a grad; None: all of them
     layout: bytes  # _C.step_layout of the params with a grad
     states: list  # their entries in the optimizer's state (None where none)
+    entries: list  # _kernel_entries of those states after the step
     device: Optional[torch.device]
     sr_offsets: Optional[list]
 
@@ -291,11 +321,12 @@ class _StepPlan:
     the stochastic rounding's offsets: per param, several microseconds of Python, which dominate the step
     of a model with many small tensors. What it decides depends only on the groups' structural values
     (master_weights, rounding, seed, amsgrad, whether momentum is zero: ``signature``), on which params have
-    a grad, and on their dtypes, devices, shapes and strides; a step that repeats all of these, with the
-    same state entries, reuses the decisions and reads the state tensors afresh from the state dicts. Each
-    step still checks every grad against its param (in C++, ``_C.step_layout``, before the first kernel
-    call) and every group's values; anything else takes the full path (which then makes a new plan): a
-    DTensor group, a group's params on several devices, a grad that needed a copy, torch.compile tracing.
+    a grad, on their dtypes, devices, shapes and strides, and on the state entries it left. A step that
+    repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
+    same decisions. Each step still checks every grad against its param (in C++, ``_C.step_layout``) and
+    every group's values before the first kernel call; anything else takes the full path, which drops
+    the plan first and makes a new one when it succeeds. Not planned: DTensor groups, a group's params on
+    several devices, a grad that needed a copy, torch.compile tracing.
     """
 
     state: dict
@@ -304,7 +335,7 @@ class _StepPlan:
 
     @staticmethod
     def signature(group: dict) -> tuple:
-        return tuple((k, _plan_value(v)) for k, v in group.items() if k != "params")
+        return tuple((k, _plan_value(v)) for k, v in group.items() if k not in ("params", "param_names"))
 
     @classmethod
     def make(cls, opt: "FusedOptimizer", work: list, offsets: Optional[dict]) -> Optional["_StepPlan"]:
@@ -313,28 +344,31 @@ class _StepPlan:
         groups = []
         for group, ps, _ in work:
             params = group["params"]
+            if type(params) is not list:
+                return None
             layout = _ops._C.step_layout(ps, [p.grad for p in ps])
             if layout is None:
                 return None
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
             sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in ps]
                   if offsets is not None and group.get("rounding") == "stochastic" else None)
-            groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout,
-                                     list(map(opt.state.get, ps)), ps[0].device if ps else None, sr))
+            states = list(map(opt.state.get, ps))
+            groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states,
+                                     _kernel_entries(opt._policy, states), ps[0].device if ps else None, sr))
         numels = None if offsets is None else [p.numel() for g in opt.param_groups for p in g["params"]]
         return cls(opt.state, groups, numels)
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
-        """Per group (group, params with a grad, their grads, their state entries) when this step repeats the
-        plan's; else None."""
+        """Per group (group, params with a grad, their grads, their _kernel_entries) when this step repeats
+        the plan's; else None."""
         if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
             return None
         state_get = opt.state.get
         calls = []
         for group, gp in zip(opt.param_groups, self.groups):
             params = group["params"]
-            if (group is not gp.group or len(params) != len(gp.params) or not all(map(is_, params, gp.params))
-                    or self.signature(group) != gp.signature):
+            if (group is not gp.group or type(params) is not list or len(params) != len(gp.params)
+                    or not all(map(is_, params, gp.params)) or self.signature(group) != gp.signature):
                 return None
             grads = [p.grad for p in params]
             if gp.mask is None:
@@ -346,7 +380,10 @@ class _StepPlan:
             states = list(map(state_get, kps))
             if not all(map(is_, states, gp.states)) or _ops._C.step_layout(kps, kgrads) != gp.layout:
                 return None
-            calls.append((group, kps, kgrads, states))
+            entries = _kernel_entries(opt._policy, states)
+            if not all(all(map(is_, now, then)) for now, then in zip(entries, gp.entries)):
+                return None  # an entry replaced, deleted or set to None: the full path mends it
+            calls.append((group, kps, kgrads, entries))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
             return None
         return calls
@@ -402,6 +439,10 @@ class FusedOptimizer(Optimizer):
         defaults.setdefault("seed", None)
         check_precision(defaults)
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.pop("_mpf_plan", None)  # a plan holds the state and groups being replaced
+        super().__setstate__(state)
 
     def _default_seed(self) -> int:
         """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer."""
@@ -614,6 +655,9 @@ class FusedOptimizer(Optimizer):
         if self._planned_step(scaling):
             return loss
 
+        # The full path. It mends state in place as it goes, so a plan made before it no longer holds
+        # (even where it raises): the plan is dropped here and remade when the step succeeds.
+        self.__dict__.pop("_mpf_plan", None)
         # Everything is checked before anything (state included) is created or written.
         work = []
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
@@ -677,8 +721,8 @@ class FusedOptimizer(Optimizer):
                 # DTensors: the kernels update the local shards (the same memory as the DTensors)
                 kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
                 sr = [offsets[id(p)] for p in kps] if group.get("rounding") == "stochastic" else None
-                self._fused_step(group, kps, kgrads, kstates, self._device_lr(group, device), device_scalars(device),
-                                 self._counter(device), write_grad, sr)
+                self._fused_step(group, kps, kgrads, _kernel_entries(self._policy, kstates), self._device_lr(group, device),
+                                 device_scalars(device), self._counter(device), write_grad, sr)
                 for p, g in zip(ps, grads):
                     if g is not p.grad:  # the grad went through a copy
                         plannable = False
@@ -708,10 +752,10 @@ class FusedOptimizer(Optimizer):
             clip = self._own_clip([(group, kps, False) for group, kps, _, _ in calls], scaling)
         device_scalars = self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        for (group, kps, kgrads, states), gp in zip(calls, plan.groups):
+        for (group, kps, kgrads, entries), gp in zip(calls, plan.groups):
             if kps:
                 device = gp.device
-                self._fused_step(group, kps, kgrads, states, self._device_lr(group, device), device_scalars(device),
+                self._fused_step(group, kps, kgrads, entries, self._device_lr(group, device), device_scalars(device),
                                  self._counter(device), write_grad, gp.sr_offsets)
         return True
 
@@ -768,22 +812,16 @@ class FusedOptimizer(Optimizer):
         floats, bools, or one-element tensors on ``device`` (see device_hyper)."""
         raise NotImplementedError
 
-    def _fused_step(self, group: dict, params: list, grads: list, states: list, lr, scalars: dict,
+    def _fused_step(self, group: dict, params: list, grads: list, entries: list, lr, scalars: dict,
                     counter: Optional[torch.Tensor], write_grad: bool, sr_offsets: Optional[list]) -> None:
-        """The kernel call for one group's params on one device. ``states``: their state dicts (None for a
-        param without state). ``scalars``: the keyword arguments of ``_ops.optim_step_`` for the unscale,
+        """The kernel call for one group's params on one device. ``entries``: their state entries
+        (_kernel_entries). ``scalars``: the keyword arguments of ``_ops.optim_step_`` for the unscale,
         clip and skip. ``sr_offsets``: each param's stochastic-rounding offset, when the group rounds
         stochastically."""
-        if any(map(is_, states, repeat(None))):  # a param without state (SGD without momentum), from a plan
-            states = [_NO_STATE if s is None else s for s in states]
-        kernel_states = {}
-        for name in _POLICY_STATES[self._policy]:
-            tensors = [s.get(name) for s in states]
-            if not all(map(is_, tensors, repeat(None))):
-                kernel_states[name] = tensors
-        steps = [s.get("step") for s in states]
-        remainders = [s.get("master_remainder") for s in states]
-        masters = [s.get("master_param") for s in states]
+        names = _POLICY_STATES[self._policy]
+        kernel_states = {name: tensors for name, tensors in zip(names, entries)
+                         if not all(map(is_, tensors, repeat(None)))}
+        masters, remainders, steps = entries[len(names):]
         precision = {}
         if not all(map(is_, remainders, repeat(None))):
             precision["remainders"] = remainders
