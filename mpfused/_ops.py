@@ -418,6 +418,18 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     return ops.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
 
 
+def _below_autograd(op, x: torch.Tensor, *args):
+    """``op(x, *args)`` for an operator whose autograd kernel only raises in backward (_no_derivative): past
+    that kernel when no gradient can flow from ``x``, where it would only forward the call (torch's Python
+    wrapper for a registered autograd costs about 6 us a call, several times the kernel on a small tensor).
+    The output is the same either way: a tensor that does not require grad. torch.compile traces the
+    plain call."""
+    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return op(x, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(x, *args)
+
+
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     x = _plain(x, "x")
@@ -427,7 +439,7 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int
     seed = u64_arg(seed, "seed")
     offset = u64_arg(offset, "offset", numel=x.numel())
     if out is None:
-        return ops.round_stochastic(x, dtype, seed, offset)
+        return _below_autograd(ops.round_stochastic, x, dtype, seed, offset)
     if out.dtype != dtype:
         raise ValueError(f"out must be a {dtype} tensor (the dtype argument), got {out.dtype}")
     ops.round_stochastic_out_(x, seed, offset, out)
@@ -439,8 +451,8 @@ def fixed_point_quantize(x: torch.Tensor, il: int, fl: int, stochastic: bool, se
                          out_dtype: torch.dtype) -> torch.Tensor:
     """Convert(x, <il, fl>) as int16/int32 codes or float32/float64 values (see mpfused.fixed_point);
     arguments already validated by the caller, checked again natively."""
-    return ops.fixed_point_quantize(x, il, fl, bool(stochastic), u64_arg(seed, "seed"), u64_arg(offset, "offset"),
-                                    out_dtype)
+    return _below_autograd(ops.fixed_point_quantize, x, il, fl, bool(stochastic), u64_arg(seed, "seed"),
+                           u64_arg(offset, "offset"), out_dtype)
 
 
 def fixed_point_matmul(a: torch.Tensor, b: torch.Tensor, fmt_a: tuple, fmt_b: tuple, fmt_out: tuple,
