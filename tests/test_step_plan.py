@@ -16,14 +16,15 @@ from hypothesis import strategies as st
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from mpfused.optim._base import FusedOptimizer
 
+from conftest import DEVICES
 from optim_helpers import assert_same, bits
 
 SHAPES = [(8, 6), (8,), (4, 3, 2, 2), (1,), (5, 3)]  # the third can take channels_last
 
 
-def make_params(dtype=torch.float32, seed=0):
+def make_params(dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in SHAPES]
 
 
 def full_path(opt):
@@ -48,7 +49,7 @@ def spy_plan(opt):
 def set_grads(params, step, mask=None):
     g = torch.Generator().manual_seed(1000 + step)
     for i, p in enumerate(params):
-        grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype)
+        grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.device, p.dtype)
         if p.dim() == 4:  # autograd gives a grad its param's layout
             grad = grad.contiguous(memory_format=torch.channels_last) if p.is_contiguous(
                 memory_format=torch.channels_last) and not p.is_contiguous() else grad
@@ -73,11 +74,11 @@ OPTIMIZERS = {
 }
 
 
-def pair(name, dtype=torch.float32, groups=2, **kw):
+def pair(name, dtype=torch.float32, groups=2, device="cpu", **kw):
     """The same optimizer twice on equal params: planned, and full path only."""
     out = []
     for planned in (True, False):
-        ps = make_params(dtype)
+        ps = make_params(dtype, device=device)
         split = [ps[:2], ps[2:]] if groups == 2 else [ps]
         opt = OPTIMIZERS[name]([{"params": s} for s in split], **kw)
         opt.__dict__["_mpf_seed"] = 1234  # the seed a group with rounding='stochastic' and seed None takes
@@ -111,10 +112,11 @@ def count_state_for(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_repeated_step_takes_the_plan_and_equals_the_full_path(monkeypatch, name):
+def test_a_repeated_step_takes_the_plan_and_equals_the_full_path(monkeypatch, name, device):
     calls = count_state_for(monkeypatch)
-    a, b = pair(name)
+    a, b = pair(name, device=device)
     for step in range(4):
         n = len(calls)
         for opt in (a, b):
@@ -128,16 +130,17 @@ def test_a_repeated_step_takes_the_plan_and_equals_the_full_path(monkeypatch, na
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("precision", [dict(), dict(master_weights=False), dict(master_weights=False, rounding="stochastic"),
                                        dict(rounding="stochastic"), dict(master_weights="remainder")])
-def test_planned_16_bit_steps_equal_the_full_path(dtype, precision):
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_16_bit_steps_equal_the_full_path(dtype, precision, device):
     if precision.get("master_weights") == "remainder" and dtype != torch.bfloat16:
         pytest.skip("remainders are for bfloat16 params (float16 raises, tested in test_optim_precision)")
-    a, b = pair("adamw", dtype, seed=5, **precision)
+    a, b = pair("adamw", dtype, device=device, seed=5, **precision)
     taken = spy_plan(a)
     for step in range(4):
         for opt in (a, b):
             set_grads([p for g in opt.param_groups for p in g["params"]], step)
-            inv = torch.tensor([0.5])
-            found = torch.tensor([1.0 if step == 2 else 0.0])  # step 2 is skipped
+            inv = torch.tensor([0.5], device=device)
+            found = torch.tensor([1.0 if step == 2 else 0.0], device=device)  # step 2 is skipped
             opt.step(scaling=StepScaling(inv_scale=inv, found_inf=found))
         assert_same(snap(a), snap(b))
     assert taken == [False, True, True, True]
@@ -151,7 +154,9 @@ def op_step(opt, k, mask=None):
 
 def op_scaled_step(opt, k, skip):
     set_grads([p for g in opt.param_groups for p in g["params"]], k)
-    opt.step(scaling=StepScaling(grad_scale=torch.tensor([4.0]), found_inf=torch.tensor([float(skip)])))
+    device = opt.param_groups[0]["params"][0].device
+    opt.step(scaling=StepScaling(grad_scale=torch.tensor([4.0], device=device),
+                                 found_inf=torch.tensor([float(skip)], device=device)))
 
 
 def op_group_value(opt, gi, key, value):
@@ -172,7 +177,7 @@ def op_channels_last(opt, to_cl):
 
 def op_resize(opt, i):
     p = [p for g in opt.param_groups for p in g["params"]][i]
-    p.data = torch.linspace(-1, 1, p.numel() + 3).to(p.dtype)  # a new numel: the later params' offsets move
+    p.data = torch.linspace(-1, 1, p.numel() + 3).to(p.device, p.dtype)  # a new numel: later offsets move
 
 
 def op_replace_state(opt, i):
@@ -213,12 +218,14 @@ def op_drop_state(opt, i):
 
 def op_append_param(opt, gi, seed):
     g = torch.Generator().manual_seed(seed)
-    opt.param_groups[gi]["params"].append(torch.nn.Parameter(torch.randn(3, generator=g)))
+    device = opt.param_groups[0]["params"][0].device
+    opt.param_groups[gi]["params"].append(torch.nn.Parameter(torch.randn(3, generator=g).to(device)))
 
 
 def op_add_group(opt, seed):
     g = torch.Generator().manual_seed(seed)
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 2, generator=g))]})
+    device = opt.param_groups[0]["params"][0].device
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 2, generator=g).to(device))]})
 
 
 def op_reload(opt):
@@ -254,11 +261,12 @@ OPS = st.one_of(
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["adamw", "sgd", "lamb"])
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(ops=st.lists(OPS, min_size=3, max_size=10))
-def test_any_sequence_of_changes_between_steps_gives_the_full_paths_results(name, ops):
-    a, b = pair(name)
+def test_any_sequence_of_changes_between_steps_gives_the_full_paths_results(name, device, ops):
+    a, b = pair(name, device=device)
     taken = spy_plan(a)
     for step in range(2):  # a plan to start from
         for opt in (a, b):
@@ -366,8 +374,9 @@ class Plain(torch.Tensor):
     """A tensor subclass: the fused optimizers take plain tensors."""
 
 
-def planned_two_groups():
-    opt = FusedAdamW([{"params": make_params()[:2]}, {"params": make_params(seed=3)[2:]}], lr=1e-2)
+def planned_two_groups(device):
+    opt = FusedAdamW([{"params": make_params(device=device)[:2]}, {"params": make_params(seed=3, device=device)[2:]}],
+                     lr=1e-2)
     for step in range(2):
         op_step(opt, step)
     set_grads([p for g in opt.param_groups for p in g["params"]], 7)
@@ -375,9 +384,10 @@ def planned_two_groups():
     return opt
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", ["sparse grad", "subclass grad", "lr", "param dtype"])
-def test_a_bad_second_group_raises_before_the_first_is_written(bad):
-    opt = planned_two_groups()
+def test_a_bad_second_group_raises_before_the_first_is_written(bad, device):
+    opt = planned_two_groups(device)
     p = opt.param_groups[1]["params"][1]
     if bad == "sparse grad":
         p.grad = p.grad.to_sparse()
@@ -398,8 +408,9 @@ def test_a_bad_second_group_raises_before_the_first_is_written(bad):
     assert_same(before, ([bits(p) for p in first], [{k: bits(v) for k, v in opt.state[p].items()} for p in first]))
 
 
-def test_a_grad_laid_out_unlike_its_param_goes_through_the_full_paths_copy():
-    a, b = pair("adamw")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_laid_out_unlike_its_param_goes_through_the_full_paths_copy(device):
+    a, b = pair("adamw", device=device)
     for step in range(2):
         for opt in (a, b):
             op_step(opt, step)
@@ -407,6 +418,6 @@ def test_a_grad_laid_out_unlike_its_param_goes_through_the_full_paths_copy():
         set_grads([p for g in opt.param_groups for p in g["params"]], 9)
         p = opt.param_groups[0]["params"][0]
         p.grad = p.grad.t().contiguous().t()  # same values, column-major
-        opt.step(scaling=StepScaling(inv_scale=torch.tensor([1.0])))  # writes the grad back
+        opt.step(scaling=StepScaling(inv_scale=torch.tensor([1.0], device=device)))  # writes the grad back
         assert p.grad.stride() == (1, 8)
     assert_same(snap(a), snap(b))
