@@ -95,24 +95,48 @@ std::string gemm_unsupported(const std::string& dtype, int64_t index) {
 
 // FusedOptimizer.step()'s planned path (mpfused/optim/_base.py): None unless every grads[i] is a plain
 // torch.Tensor (or Parameter) that goes with params[i], a plain one too, as optim_step_ takes them
-// (grad_pairs); else the params' dtypes, devices, shapes and strides as bytes, which the plan compares with
-// those of the step it was made in. One pass in C++ (tens of ns a pair), before any kernel call writes.
-pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads) {
+// (grad_pairs), and every state entry given goes with its param as optim_step_ checks it: `beside` holds
+// lists (one entry per param, or None) of float32 tensors in the param's layout (moments, masters),
+// `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
+// dtypes, devices, shapes and strides as bytes, which the plan compares with those of the step it was
+// made in. One pass in C++ (tens of ns a tensor), before any kernel call writes.
+pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
+                             const pybind11::list& remainders, const pybind11::list& steps) {
   static PyObject* const parameter = pybind11::object(pybind11::module_::import("torch.nn").attr("Parameter")).release().ptr();
   const auto plain_type = [](PyObject* o) {
     return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
            Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter);
   };
-  const size_t n = params.size();
-  if (grads.size() != n) return pybind11::none();
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  const auto per_param = [n](PyObject* list) { return PyList_Check(list) && PyList_GET_SIZE(list) == n; };
+  if (!per_param(grads.ptr()) || !per_param(remainders.ptr()) || !per_param(steps.ptr())) return pybind11::none();
+  for (const pybind11::handle list : beside)
+    if (!per_param(list.ptr())) return pybind11::none();
+  // entry i of `list`: None, or a plain tensor that `ok` accepts beside param p
+  const auto entry_ok = [&](PyObject* list, Py_ssize_t i, const at::Tensor& p, auto&& ok) {
+    PyObject* const o = PyList_GET_ITEM(list, i);
+    if (o == Py_None) return true;
+    if (!plain_type(o)) return false;
+    const at::Tensor& t = THPVariable_Unpack(o);
+    return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python) &&
+           t.device() == p.device() && ok(t);
+  };
   std::vector<int64_t> out;
-  out.reserve(n * 9);
-  for (size_t i = 0; i < n; ++i) {
-    PyObject* const po = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(i));
-    PyObject* const go = PyList_GET_ITEM(grads.ptr(), static_cast<Py_ssize_t>(i));
+  out.reserve(static_cast<size_t>(n) * 9);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const po = PyList_GET_ITEM(params.ptr(), i);
+    PyObject* const go = PyList_GET_ITEM(grads.ptr(), i);
     if (!plain_type(po) || !plain_type(go)) return pybind11::none();
     const at::Tensor& p = THPVariable_Unpack(po);
     if (!grad_pairs(p, THPVariable_Unpack(go))) return pybind11::none();
+    for (const pybind11::handle list : beside)
+      if (!entry_ok(list.ptr(), i, p, [&](const at::Tensor& t) { return t.scalar_type() == at::kFloat && same_layout(t, p); }))
+        return pybind11::none();
+    if (!entry_ok(remainders.ptr(), i, p, [&](const at::Tensor& t) {
+          return t.scalar_type() == at::kShort && p.scalar_type() == at::kBFloat16 && same_layout(t, p);
+        }) ||
+        !entry_ok(steps.ptr(), i, p, [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.numel() == 1; }))
+      return pybind11::none();
     out.push_back(static_cast<int64_t>(p.scalar_type()));
     out.push_back(static_cast<int64_t>(p.device().type()));
     out.push_back(p.device().index());
@@ -157,7 +181,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
-  m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"),
-        "None unless each grad goes with its param in an optimizer step; else the params' layouts as bytes.");
+  m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),
+        pybind11::arg("remainders"), pybind11::arg("steps"),
+        "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
+        "layouts as bytes.");
   m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
 }

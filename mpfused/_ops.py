@@ -418,15 +418,21 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     return ops.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
 
 
+_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
 def _below_autograd(op, x: torch.Tensor, *args):
     """``op(x, *args)`` for an operator whose autograd kernel only raises in backward (_no_derivative): past
-    that kernel when no gradient can flow from ``x``, where it would only forward the call (torch's Python
-    wrapper for a registered autograd costs about 6 us a call, several times the kernel on a small tensor).
-    The output is the same either way: a tensor that does not require grad. torch.compile traces the
-    plain call."""
-    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    that kernel when no gradient can flow from ``x``, where it would only forward the call, as torch's own
+    wrapper for a registered autograd does when no input requires grad (that wrapper, in Python, costs
+    about 4 us a call, several times the kernel on a small tensor). The plain call wherever that is not
+    plain to see: x requiring grad with grad mode on, torch.compile tracing, and functorch transforms
+    (vmap, torch.func.grad), under which ``x.requires_grad`` speaks for the innermost level only."""
+    if (_BELOW_AUTOGRAD is None or _FUNCTORCH_ACTIVE is None or (x.requires_grad and torch.is_grad_enabled())
+            or torch.compiler.is_compiling() or _FUNCTORCH_ACTIVE()):
         return op(x, *args)
-    with torch._C._AutoDispatchBelowAutograd():
+    with _BELOW_AUTOGRAD():
         return op(x, *args)
 
 

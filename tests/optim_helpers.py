@@ -16,7 +16,7 @@ def fp32_weight(opt, p):
 
 def bits(t):
     t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
 
 
 def snapshot(opt, params):

@@ -80,17 +80,29 @@ def _full(t):
 
 
 def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_rank=None, overflow_step=None,
-           scaler_mesh=False, model_dtype=None, master_weights=None, round_init=None):
-    """A few clipped, scaled steps; returns losses, norms, scales, skipped steps, the params' full values and
-    whether a step left every param unchanged (per step)."""
+           scaler_mesh=False, model_dtype=None, master_weights=None, round_init=None, planned=True, rounding=None):
+    """A few clipped, scaled steps; returns losses, norms, scales, skipped steps, the params' full values,
+    whether a step left every param unchanged (per step) and, for ours, whether it took the planned path
+    (``planned=False``: never: the full path as the reference for the planned one)."""
     model, mesh = _wrap(kind, world, param_dtype, model_dtype, round_init)
     params = list(model.parameters())
     device = "cuda" if kind == "fsdp1" else "cpu"
     if optim == "adamw":
         kw = dict(master_weights=master_weights) if ours else {}
+        if rounding:
+            kw.update(rounding=rounding, seed=11)
         opt = (FusedAdamW if ours else torch.optim.AdamW)(params, lr=LR, weight_decay=0.1, **kw)
     else:
         opt = (FusedSGD if ours else torch.optim.SGD)(params, lr=LR * 10, momentum=0.9)
+    took_plan = []
+    if ours:
+        planned_step = opt._planned_step
+
+        def spy(scaling):
+            took_plan.append(planned and planned_step(scaling))
+            return took_plan[-1]
+
+        opt._planned_step = spy
     if ours:
         kw = {}
         if kind == "ddp":
@@ -135,7 +147,7 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
     masters = [_full(opt.state[p]["master_param"]) if "master_param" in opt.state[p] else None for p in params]
     return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped, collectives=collectives,
                 params=[_full(p).float().cpu() for p in params], masters=masters,
-                dtypes={_full(p).dtype for p in params}, opt=opt)
+                dtypes={_full(p).dtype for p in params}, opt=opt, took_plan=took_plan)
 
 
 def _compare(case, a, b):
@@ -190,6 +202,16 @@ def _bad_setups(rank, world):
     dparams[0].grad = g0.redistribute(g0.device_mesh, [Replicate()])
     err("grad placements", lambda: opt.step())
     out["untouched"] = all(torch.equal(a, _full(b)) for a, b in zip(before, dparams)) and not opt.state
+    dparams[0].grad = g0
+    # the same once steps have been planned: the planned path refuses the grad, the full path says why
+    planned = FusedAdamW(dparams, lr=LR)
+    for _ in range(2):
+        planned.step()
+    out["planned"] = planned.__dict__.get("_mpf_plan") is not None
+    before = [_full(p) for p in dparams]
+    dparams[0].grad = g0.redistribute(g0.device_mesh, [Replicate()])
+    err("grad placements, planned", lambda: planned.step())
+    out["untouched planned"] = all(torch.equal(a, _full(b)) for a, b in zip(before, dparams))
     dparams[0].grad = g0
     dist.barrier()  # every rank got here: nothing hung
     return out
@@ -340,6 +362,12 @@ def _cases(rank, world):
     # BF16 sharded params (BF16 compute, FP32 reduction): with our FP32 masters, and without; the reference
     # is torch on FP32 params that start from the same BF16 values
     out["fsdp2-bf16-init"] = _train("fsdp2", world, rank, False, param_dtype=torch.bfloat16, round_init=torch.bfloat16)
+    # the planned step on DTensor params (local shards) against the full path, bit for bit
+    for kind in ["fsdp2"] + (["hsdp"] if world == 4 else []):
+        out[(kind, "full path")] = _train(kind, world, rank, True, scaler_mesh=kind == "hsdp", planned=False)
+    for planned in (True, False):
+        out[("fsdp2-bf16-sr", planned)] = _train("fsdp2", world, rank, True, model_dtype=torch.bfloat16,
+                                                 master_weights=False, rounding="stochastic", planned=planned)
     for mw in (None, False):
         out[("fsdp2-bf16-params", mw)] = _train("fsdp2", world, rank, True, model_dtype=torch.bfloat16,
                                                 master_weights=mw)
@@ -375,6 +403,22 @@ def test_fsdp2_hsdp_ddp_match_torch(runs):
             assert r[(kind, True)]["scales"] == results[0][(kind, True)]["scales"], kind
             for p, q in zip(r[(kind, True)]["params"], results[0][(kind, True)]["params"]):
                 assert torch.equal(p, q), kind
+
+
+def test_the_planned_step_on_dtensors_equals_the_full_path(runs):
+    """FSDP2 and HSDP (DTensor params): from the second step on, step() takes the planned path on the local
+    shards, and gives the full path's bits (FP32 params; BF16 params rounded stochastically, no masters)."""
+    world, results = runs
+    for rank, r in enumerate(results):
+        pairs = [((kind, True), (kind, "full path")) for kind in ["fsdp2"] + (["hsdp"] if world == 4 else [])]
+        pairs.append((("fsdp2-bf16-sr", True), ("fsdp2-bf16-sr", False)))
+        for planned, full in pairs:
+            a, b = r[planned], r[full]
+            assert a["took_plan"] == [False] + [True] * (STEPS - 1), (planned, rank, a["took_plan"])
+            assert not any(b["took_plan"]), (full, rank)
+            assert a["losses"] == b["losses"] and a["norms"] == b["norms"], (planned, rank)
+            for p, q in zip(a["params"], b["params"], strict=True):
+                assert torch.equal(p, q), (planned, rank)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -472,6 +516,7 @@ def test_bad_setups_raise_clear_errors_on_every_rank(runs):
         "untold mesh": ("ValueError", "a mesh this scaler was not told of"),
         "process_group with DTensor grads": ("ValueError", "device_mesh=mesh"),
         "grad placements": ("ValueError", "same mesh and placements"),
+        "grad placements, planned": ("ValueError", "same mesh and placements"),
     }
     for rank, r in enumerate(results):
         bad = r["bad"]
@@ -479,6 +524,7 @@ def test_bad_setups_raise_clear_errors_on_every_rank(runs):
             assert bad[name] is not None, (rank, name, "no error")
             assert bad[name].startswith(kind) and text in bad[name], (rank, name, bad[name])
         assert bad["untouched"], rank
+        assert bad["planned"] and bad["untouched planned"], rank
 
 
 def _fsdp1_cases(rank, world):

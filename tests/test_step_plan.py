@@ -183,7 +183,7 @@ def op_resize(opt, i):
 def op_replace_state(opt, i):
     p = [p for g in opt.param_groups for p in g["params"]][i]
     for key, value in list(opt.state.get(p, {}).items()):
-        if key != "step" and value.is_floating_point():
+        if key != "step" and value is not None and value.is_floating_point():
             opt.state[p][key] = value * 0.5  # a new tensor: the next step must read it, not a cached one
             break
 
@@ -207,8 +207,18 @@ def op_clear_state(opt, i):
 def op_relayout_state(opt, i):
     p = [p for g in opt.param_groups for p in g["params"]][i]
     for key, value in list(opt.state.get(p, {}).items()):
-        if value.dim() == 2:
+        if value is not None and value.dim() == 2:
             opt.state[p][key] = value.t().contiguous().t()  # the same values, column-major
+
+
+def op_change_state_in_place(opt, i, how):
+    """A state tensor that stays the same object but is laid out (or typed) anew through .data: the
+    planned path must see it as the operator would."""
+    p = [p for g in opt.param_groups for p in g["params"]][i]
+    for key, value in list(opt.state.get(p, {}).items()):
+        if value is not None and value.dim() == 2:
+            value.data = value.data.t().contiguous().t() if how == "layout" else value.data.double()
+            break
 
 
 def op_drop_state(opt, i):
@@ -255,6 +265,7 @@ OPS = st.one_of(
     st.tuples(st.just(op_unset_entry), st.integers(0, 4)),
     st.tuples(st.just(op_clear_state), st.integers(0, 4)),
     st.tuples(st.just(op_relayout_state), st.integers(0, 4)),
+    st.tuples(st.just(op_change_state_in_place), st.integers(0, 4), st.sampled_from(["layout", "dtype"])),
     st.tuples(st.just(op_append_param), st.integers(0, 1), st.integers(0, 9)),
     st.tuples(st.just(op_add_group), st.integers(0, 9)),
     st.tuples(st.just(op_reload)),
@@ -317,6 +328,7 @@ def test_a_full_step_that_raises_and_is_undone_gives_the_full_paths_results():
         opt.state[p]["exp_avg"] = good.double()
         with pytest.raises(ValueError, match="exp_avg"):
             op_step(opt, 2)
+        assert opt.__dict__.get("_mpf_plan") is None  # the full path dropped it before mending anything
         assert "master_param" not in opt.state[opt.param_groups[0]["params"][0]]
         opt.param_groups[0]["master_weights"] = None
         opt.state[p]["exp_avg"] = good
@@ -335,7 +347,9 @@ def test_a_full_step_that_raises_and_is_undone_gives_the_full_paths_results():
     ("adam", "amsgrad", 0, True),
 ])
 def test_a_group_value_of_another_kind_is_another_structure(name, key, before, after):
-    a, b = pair(name, groups=1, **{key: before})
+    a, b = pair(name, groups=1)
+    for opt in (a, b):
+        opt.param_groups[0][key] = before  # (a constructor may turn 0 into False)
     taken = spy_plan(a)
     for step in range(3):
         if step == 2:
@@ -344,6 +358,23 @@ def test_a_group_value_of_another_kind_is_another_structure(name, key, before, a
         for opt in (a, b):
             op_step(opt, step)
         assert_same(snap(a), snap(b))
+    assert taken == [False, True, False]
+
+
+@pytest.mark.parametrize("how", ["layout", "dtype"])
+def test_a_state_tensor_changed_in_place_in_the_second_group(how):
+    """The same object, laid out or typed anew through .data: the planned path hands the step to the full
+    path before the first group is written (which mends the layout, and refuses the dtype, as it would)."""
+    a, b = pair("adamw")
+    taken = spy_plan(a)
+    for step in range(2):
+        for opt in (a, b):
+            op_step(opt, step)
+    for opt in (a, b):
+        op_change_state_in_place(opt, 4, how)  # param 4 is in group 1
+    error = both(a, b, lambda opt: op_step(opt, 2))
+    assert (error is None) == (how == "layout")
+    assert_same(snap(a), snap(b))
     assert taken == [False, True, False]
 
 

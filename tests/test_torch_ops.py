@@ -178,6 +178,12 @@ def test_rounding_has_no_derivative(call):
     # the same bits as through it
     through = call(x).detach()
     assert through.dtype == call(x.detach()).dtype and torch.equal(through, call(x.detach()))
+    # under vmap, x.requires_grad speaks for the innermost level only: the outer gradient is still refused
+    w = torch.randn(3, 8, requires_grad=True)
+    out = torch.func.vmap(call)(w)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        out.float().sum().backward()
 
 
 def test_fixed_point_format_overflow_is_refused():

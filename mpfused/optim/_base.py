@@ -300,15 +300,22 @@ def _kernel_entries(policy: str, states: list) -> list:
     return [[s.get(name) for s in states] for name in _POLICY_STATES[policy] + _PRECISION_KEYS]
 
 
+def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
+    """_C.step_layout of params, their grads and their _kernel_entries (moments and masters beside the
+    params, remainders, step counters)."""
+    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1])
+
+
 @dataclass
 class _GroupPlan:
     group: dict
     params: tuple  # the group's params when the plan was made
     signature: tuple
     mask: Optional[tuple]  # which params had a grad; None: all of them
-    layout: bytes  # _C.step_layout of the params with a grad
+    layout: bytes  # _C.step_layout of the params with a grad (of their local shards: DTensors)
     states: list  # their entries in the optimizer's state (None where none)
     entries: list  # _kernel_entries of those states after the step
+    local_entries: Optional[list]  # DTensors: the entries' local shards (what the kernel call takes)
     device: Optional[torch.device]
     sr_offsets: Optional[list]
 
@@ -323,10 +330,13 @@ class _StepPlan:
     (master_weights, rounding, seed, amsgrad, whether momentum is zero: ``signature``), on which params have
     a grad, on their dtypes, devices, shapes and strides, and on the state entries it left. A step that
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
-    same decisions. Each step still checks every grad against its param (in C++, ``_C.step_layout``) and
-    every group's values before the first kernel call; anything else takes the full path, which drops
-    the plan first and makes a new one when it succeeds. Not planned: DTensor groups, a group's params on
-    several devices, a grad that needed a copy, torch.compile tracing.
+    same decisions. Each step still checks every grad and state entry against its param (in C++,
+    ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
+    ``.data``) and every group's values before the first kernel call; anything else takes the full path, which drops
+    the plan first and makes a new one when it succeeds. A DTensor group (FSDP2) is planned on its local
+    shards: each grad must still be a DTensor on its param's mesh with its placements and shape, and the
+    shards pair as plain tensors do; the state DTensors' shards are the plan's while the DTensors are.
+    Not planned: a group's params on several devices, a grad that needed a copy, torch.compile tracing.
     """
 
     state: dict
@@ -342,25 +352,32 @@ class _StepPlan:
         """The plan of the step just taken (``work``: its groups and their params with a grad, checked and
         updated), or None where a group cannot be planned."""
         groups = []
-        for group, ps, _ in work:
+        local = _dist.local
+        for group, ps, dtensors in work:
             params = group["params"]
             if type(params) is not list:
                 return None
-            layout = _ops._C.step_layout(ps, [p.grad for p in ps])
+            grads = [p.grad for p in ps]
+            lps, lgs = ([local(p) for p in ps], [local(g) for g in grads]) if dtensors else (ps, grads)
+            states = list(map(opt.state.get, ps))
+            entries = _kernel_entries(opt._policy, states)
+            local_entries = [[local(t) for t in tensors] for tensors in entries] if dtensors else None
+            layout = _step_layout(lps, lgs, local_entries or entries)
             if layout is None:
                 return None
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
-            sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in ps]
+            # (the offsets are keyed by the tensor the kernel call sees: a DTensor's local shard)
+            sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in lps]
                   if offsets is not None and group.get("rounding") == "stochastic" else None)
-            states = list(map(opt.state.get, ps))
-            groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states,
-                                     _kernel_entries(opt._policy, states), ps[0].device if ps else None, sr))
+            groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states, entries,
+                                     local_entries, lps[0].device if ps else None, sr))
         numels = None if offsets is None else [p.numel() for g in opt.param_groups for p in g["params"]]
         return cls(opt.state, groups, numels)
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
-        """Per group (group, params with a grad, their grads, their _kernel_entries) when this step repeats
-        the plan's; else None."""
+        """Per group (group, params with a grad, then what the kernel call takes: those params, their grads
+        and their _kernel_entries, as local shards for DTensors) when this step repeats the plan's; else
+        None."""
         if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
             return None
         state_get = opt.state.get
@@ -377,13 +394,25 @@ class _StepPlan:
                 if tuple(map(is_not, grads, repeat(None))) != gp.mask:
                     return None
                 kps, kgrads = list(compress(params, gp.mask)), list(compress(grads, gp.mask))
+            lps, lgs = kps, kgrads
+            if gp.local_entries is not None:  # DTensors: what _dtensor_ok asks of them, then their shards
+                for p, g in zip(kps, kgrads):
+                    if (type(g) is not type(p) or g.device_mesh is not p.device_mesh or g.placements != p.placements
+                            or g.shape != p.shape):
+                        return None
+                local = _dist.local
+                lps, lgs = [local(p) for p in kps], [local(g) for g in kgrads]
             states = list(map(state_get, kps))
-            if not all(map(is_, states, gp.states)) or _ops._C.step_layout(kps, kgrads) != gp.layout:
+            if not all(map(is_, states, gp.states)):
                 return None
             entries = _kernel_entries(opt._policy, states)
             if not all(all(map(is_, now, then)) for now, then in zip(entries, gp.entries)):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
-            calls.append((group, kps, kgrads, entries))
+            entries = entries if gp.local_entries is None else gp.local_entries
+            # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
+            if _step_layout(lps, lgs, entries) != gp.layout:
+                return None
+            calls.append((group, kps, lps, lgs, entries))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
             return None
         return calls
@@ -711,7 +740,7 @@ class FusedOptimizer(Optimizer):
             buckets: dict[torch.device, list] = defaultdict(list)
             for p in params:
                 buckets[p.device].append(p)
-            plannable = plannable and not dtensors and len(buckets) <= 1
+            plannable = plannable and len(buckets) <= 1
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
@@ -741,7 +770,7 @@ class FusedOptimizer(Optimizer):
         if calls is None:
             return False
         # the checks of the full path that the plan cannot fix: the groups' values, before anything is written
-        for gi, (group, kps, _, _) in enumerate(calls):
+        for gi, (group, kps, *_) in enumerate(calls):
             where = f" (param group {gi})"
             check_precision(group, where)
             self._check_group(group, where, in_step=True)
@@ -749,14 +778,20 @@ class FusedOptimizer(Optimizer):
                 check_capturable(group, kps, scaling, where)
         clip = scaling.clip
         if clip is None:
-            clip = self._own_clip([(group, kps, False) for group, kps, _, _ in calls], scaling)
+            clip = self._own_clip([(group, kps, gp.local_entries is not None)
+                                   for (group, kps, *_), gp in zip(calls, plan.groups)], scaling)
         device_scalars = self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        for (group, kps, kgrads, entries), gp in zip(calls, plan.groups):
-            if kps:
-                device = gp.device
-                self._fused_step(group, kps, kgrads, entries, self._device_lr(group, device), device_scalars(device),
-                                 self._counter(device), write_grad, gp.sr_offsets)
+        try:
+            for (group, _, lps, lgs, entries), gp in zip(calls, plan.groups):
+                if lps:
+                    device = gp.device
+                    self._fused_step(group, lps, lgs, entries, self._device_lr(group, device),
+                                     device_scalars(device), self._counter(device), write_grad, gp.sr_offsets)
+        except BaseException:
+            # (nothing the plan checked can raise here; whatever did, the next step takes the full path)
+            self.__dict__.pop("_mpf_plan", None)
+            raise
         return True
 
     @staticmethod
