@@ -145,8 +145,8 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         unchanged.append(all(torch.equal(a, _full(b)) for a, b in zip(before, params)))
     skipped = scaler.skipped_steps if ours else None
     masters = [_full(opt.state[p]["master_param"]) if "master_param" in opt.state[p] else None for p in params]
-    return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped, collectives=collectives,
-                params=[_full(p).float().cpu() for p in params], masters=masters,
+    return dict(losses=losses, norms=norms, scales=scales, unchanged=unchanged, skipped=skipped,
+                collectives=collectives, params=[_full(p).float().cpu() for p in params], masters=masters,
                 dtypes={_full(p).dtype for p in params}, opt=opt, took_plan=took_plan)
 
 

@@ -128,8 +128,9 @@ def test_a_repeated_step_takes_the_plan_and_equals_the_full_path(monkeypatch, na
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("precision", [dict(), dict(master_weights=False), dict(master_weights=False, rounding="stochastic"),
-                                       dict(rounding="stochastic"), dict(master_weights="remainder")])
+@pytest.mark.parametrize("precision", [dict(), dict(master_weights=False),
+                                       dict(master_weights=False, rounding="stochastic"), dict(rounding="stochastic"),
+                                       dict(master_weights="remainder")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_planned_16_bit_steps_equal_the_full_path(dtype, precision, device):
     if precision.get("master_weights") == "remainder" and dtype != torch.bfloat16:
@@ -249,7 +250,8 @@ OPS = st.one_of(
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("lr"), st.sampled_from([1e-3, 0.0, 2e-2])),
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("master_weights"),
               st.sampled_from([None, True, False])),  # ("remainder": BF16 only; its planned steps are tested above)
-    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("rounding"), st.sampled_from(["nearest", "stochastic"])),
+    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("rounding"),
+              st.sampled_from(["nearest", "stochastic"])),
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("seed"), st.sampled_from([None, 7])),
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("amsgrad"), st.sampled_from([False, True, 0, 1.0])),
     # ints, floats and numpy scalars: a signature must not take 0 (int) for 0.0 or False, nor 1 for True

@@ -322,7 +322,7 @@ class _GroupPlan:
 
 @dataclass
 class _StepPlan:
-    """What a step of plain-tensor params fixed for the next one (FusedOptimizer.step's planned path).
+    """What a step fixed for the next one (FusedOptimizer.step's planned path).
 
     The full path checks every param and grad, makes or mends each param's state (_state_for) and finds
     the stochastic rounding's offsets: per param, several microseconds of Python, which dominate the step
@@ -332,8 +332,8 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``) and every group's values before the first kernel call; anything else takes the full path, which drops
-    the plan first and makes a new one when it succeeds. A DTensor group (FSDP2) is planned on its local
+    ``.data``) and every group's values before the first kernel call; anything else takes the full path,
+    which drops the plan first and makes a new one when it succeeds. A DTensor group (FSDP2) is planned on its local
     shards: each grad must still be a DTensor on its param's mesh with its placements and shape, and the
     shards pair as plain tensors do; the state DTensors' shards are the plan's while the DTensors are.
     Not planned: a group's params on several devices, a grad that needed a copy, torch.compile tracing.
@@ -750,8 +750,9 @@ class FusedOptimizer(Optimizer):
                 # DTensors: the kernels update the local shards (the same memory as the DTensors)
                 kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
                 sr = [offsets[id(p)] for p in kps] if group.get("rounding") == "stochastic" else None
-                self._fused_step(group, kps, kgrads, _kernel_entries(self._policy, kstates), self._device_lr(group, device),
-                                 device_scalars(device), self._counter(device), write_grad, sr)
+                entries = _kernel_entries(self._policy, kstates)
+                self._fused_step(group, kps, kgrads, entries, self._device_lr(group, device), device_scalars(device),
+                                 self._counter(device), write_grad, sr)
                 for p, g in zip(ps, grads):
                     if g is not p.grad:  # the grad went through a copy
                         plannable = False
