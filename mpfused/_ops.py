@@ -418,24 +418,6 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     return ops.philox4x32_10(as_i32, key[0], key[1]).to(torch.int64) & 0xFFFFFFFF
 
 
-_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def _below_autograd(op, x: torch.Tensor, *args):
-    """``op(x, *args)`` for an operator whose autograd kernel only raises in backward (_no_derivative): past
-    that kernel when no gradient can flow from ``x``, where it would only forward the call, as torch's own
-    wrapper for a registered autograd does when no input requires grad (that wrapper, in Python, costs
-    about 4 us a call, several times the kernel on a small tensor). The plain call wherever that is not
-    plain to see: x requiring grad with grad mode on, torch.compile tracing, and functorch transforms
-    (vmap, torch.func.grad), under which ``x.requires_grad`` speaks for the innermost level only."""
-    if (_BELOW_AUTOGRAD is None or _FUNCTORCH_ACTIVE is None or (x.requires_grad and torch.is_grad_enabled())
-            or torch.compiler.is_compiling() or _FUNCTORCH_ACTIVE()):
-        return op(x, *args)
-    with _BELOW_AUTOGRAD():
-        return op(x, *args)
-
-
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     x = _plain(x, "x")
@@ -445,7 +427,7 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int
     seed = u64_arg(seed, "seed")
     offset = u64_arg(offset, "offset", numel=x.numel())
     if out is None:
-        return _below_autograd(ops.round_stochastic, x, dtype, seed, offset)
+        return ops.round_stochastic(x, dtype, seed, offset)
     if out.dtype != dtype:
         raise ValueError(f"out must be a {dtype} tensor (the dtype argument), got {out.dtype}")
     ops.round_stochastic_out_(x, seed, offset, out)
@@ -454,11 +436,15 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, seed: int, offset: int
 
 # ---- fixed point <IL, FL> (csrc/core/fixed_point.h) ---------------------------------------------------
 def fixed_point_quantize(x: torch.Tensor, il: int, fl: int, stochastic: bool, seed: int, offset: int,
-                         out_dtype: torch.dtype) -> torch.Tensor:
-    """Convert(x, <il, fl>) as int16/int32 codes or float32/float64 values (see mpfused.fixed_point);
-    arguments already validated by the caller, checked again natively."""
-    return _below_autograd(ops.fixed_point_quantize, x, il, fl, bool(stochastic), u64_arg(seed, "seed"),
-                           u64_arg(offset, "offset"), out_dtype)
+                         out_dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Convert(x, <il, fl>) as int16/int32 codes or float32/float64 values (see mpfused.fixed_point), into
+    a new tensor of ``out_dtype`` or into ``out`` (whose dtype is then the output's); arguments already
+    validated by the caller, checked again natively."""
+    if out is None:
+        return ops.fixed_point_quantize(x, il, fl, bool(stochastic), u64_arg(seed, "seed"), u64_arg(offset, "offset"),
+                                        out_dtype)
+    ops.fixed_point_quantize_out_(x, il, fl, bool(stochastic), u64_arg(seed, "seed"), u64_arg(offset, "offset"), out)
+    return out
 
 
 def fixed_point_matmul(a: torch.Tensor, b: torch.Tensor, fmt_a: tuple, fmt_b: tuple, fmt_out: tuple,
@@ -507,7 +493,7 @@ def _fake(op: str):
 
 
 for _name in ("non_finite_check_", "unscale_check_", "optim_step_", "loss_scale_update_", "philox_words_",
-              "round_stochastic_out_"):
+              "round_stochastic_out_", "fixed_point_quantize_out_"):
     _fake(_name)(lambda *args: None)
 
 
@@ -649,19 +635,6 @@ torch.library.register_autograd("mpfused::gemm_with_pre", _gemm_with_pre_backwar
 
 
 # ---- the operators with no derivative ------------------------------------------------------------------
-# Rounding has no useful derivative (it is zero almost everywhere): a backward through these raises, rather
-# than dropping the gradient in silence. A straight-through estimator is the caller's choice to make, e.g.
-# ``x + (round_stochastic(x, ...).float() - x).detach()``.
-def _no_derivative(op: str):
-    def setup(ctx, inputs, output) -> None:
-        return None
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"mpfused.{op} has no derivative (rounding is flat almost everywhere); detach its input, "
-                           "or pass the gradient straight through: x + (rounded - x).detach()")
-
-    torch.library.register_autograd(f"mpfused::{op}", backward, setup_context=setup)
-
-
-for _name in ("round_stochastic", "fixed_point_quantize"):
-    _no_derivative(_name)
+# round_stochastic, fixed_point_quantize and their out_ forms: their autograd kernel is C++
+# (csrc/torch/no_derivative.cpp). A backward through a rounding raises, forward-mode AD raises, and an out_
+# form refuses tensors that take part in autograd: no gradient is dropped in silence.

@@ -139,29 +139,42 @@ def _tensor(x, name: str) -> torch.Tensor:
     return x
 
 
-def _convert(x, fmt: FixedPointFormat, rounding, seed, offset, out_dtype) -> torch.Tensor:
+_VALUE_DTYPES = (torch.float32, torch.float64)
+_CODE_DTYPES = (torch.int16, torch.int32)
+
+
+def _convert(x, fmt: FixedPointFormat, rounding, seed, offset, out_dtype, out=None, kinds=(), what="") -> torch.Tensor:
     x = _tensor(x, "x")
     stochastic = _rounding(rounding)
     seed = _ops.check_u64(seed, "seed")
     offset = _ops.check_u64(offset, "offset", numel=x.numel())
-    return _ops.fixed_point_quantize(x, fmt.il, fmt.fl, stochastic, seed, offset, out_dtype)
+    if out is not None:
+        out = _ops._plain(out, "out", optional=True)
+        if out.dtype not in kinds:
+            raise ValueError(f"out must be a {' or '.join(str(d) for d in kinds)} tensor ({what}), got {out.dtype}")
+    return _ops.fixed_point_quantize(x, fmt.il, fmt.fl, stochastic, seed, offset, out_dtype, out)
 
 
 def quantize(x: torch.Tensor, il: int, fl: int, *, rounding: str = "nearest", seed: int = 0,
-             offset: int = 0) -> torch.Tensor:
+             offset: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Convert(x, <il, fl>): ``x`` saturated to ``[-2^(il-1), 2^(il-1) - 2^-fl]`` and rounded to the grid
     ``2^-fl`` (see the module docstring for the rounding rules, inf and NaN). Returns a new tensor of
-    ``x``'s shape: float32 when ``il + fl <= 24``, float64 above (the values are exact either way)."""
+    ``x``'s shape: float32 when ``il + fl <= 24``, float64 above (the values are exact either way).
+    ``out``: a contiguous float32 (``il + fl <= 24``) or float64 tensor of ``x``'s shape on its device, not
+    overlapping ``x``, to write the values into (returned). Like torch's ``out=`` arguments it takes no
+    part in autograd: an ``x`` that requires grad is refused while grad mode is on."""
     fmt = _format_of(il, fl)
-    return _convert(x, fmt, rounding, seed, offset, fmt.value_dtype)
+    return _convert(x, fmt, rounding, seed, offset, fmt.value_dtype, out, _VALUE_DTYPES, "quantize gives values")
 
 
 def encode(x: torch.Tensor, il: int, fl: int, *, rounding: str = "nearest", seed: int = 0,
-           offset: int = 0) -> torch.Tensor:
+           offset: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The codes of Convert(x, <il, fl>): integers in ``[-2^(wl-1), 2^(wl-1) - 1]``, int16 when
-    ``wl <= 16``, int32 up to 32; ``decode(encode(x, ...), il, fl) == quantize(x, ...)``."""
+    ``wl <= 16``, int32 up to 32; ``decode(encode(x, ...), il, fl) == quantize(x, ...)``. ``out``: a
+    contiguous int16 (``wl <= 16``) or int32 tensor of ``x``'s shape on its device to write the codes into
+    (returned), as in :func:`quantize`."""
     fmt = _format_of(il, fl)
-    return _convert(x, fmt, rounding, seed, offset, fmt.code_dtype)
+    return _convert(x, fmt, rounding, seed, offset, fmt.code_dtype, out, _CODE_DTYPES, "encode gives codes")
 
 
 def decode(codes: torch.Tensor, il: int, fl: int) -> torch.Tensor:

@@ -307,6 +307,62 @@ def test_bad_convert_arguments(call, exc, name):
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("fmt", [(4, 12), (12, 12), (16, 16), (1, 0)], ids=str)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_out_argument_writes_the_allocating_result(fmt, rounding, device):
+    """quantize/encode(out=) write what the allocating call returns, bit for bit, into the caller's tensor
+    (returned), in the call's own dtype and in a wider one (float64 values, int32 codes)."""
+    gen = torch.Generator().manual_seed(sum(fmt))
+    x = sample_values(fmt, 3000, gen)[:3750].reshape(3, -1).to(device)
+    kw = dict(rounding=rounding, seed=2**63 + 5, offset=2**35 - 7)
+    fm = fxp.FixedPointFormat(*fmt)
+    for fn, dtypes in ((fxp.quantize, {fm.value_dtype, torch.float64}), (fxp.encode, {fm.code_dtype, torch.int32})):
+        want = fn(x, *fmt, **kw)
+        for dtype in dtypes:
+            out = torch.full_like(x, 77, dtype=dtype)
+            got = fn(x, *fmt, out=out, **kw)
+            assert got is out
+            assert torch.equal(out, want.to(dtype)), (fn.__name__, dtype)
+
+
+def test_out_argument_is_checked_before_anything_is_written():
+    x = torch.linspace(-3, 3, 16)
+    cases = [  # (call, out, exception, message)
+        (lambda o: fxp.quantize(x, 4, 8, out=o), torch.zeros(16, dtype=torch.int16), ValueError,
+         "out must be a torch.float32 or torch.float64 tensor .quantize gives values., got torch.int16"),
+        (lambda o: fxp.encode(x, 4, 8, out=o), torch.zeros(16), ValueError,
+         "out must be a torch.int16 or torch.int32 tensor .encode gives codes., got torch.float32"),
+        (lambda o: fxp.quantize(x, 16, 16, out=o), torch.zeros(16), ValueError,
+         "out's dtype float32 cannot hold the values of a format with il \\+ fl = 32"),
+        (lambda o: fxp.encode(x, 12, 12, out=o), torch.zeros(16, dtype=torch.int16), ValueError,
+         "out's dtype torch.int16 cannot hold codes of 24 bits"),
+        (lambda o: fxp.quantize(x, 4, 8, out=o), torch.zeros(15), ValueError, "out must be a contiguous Float tensor"),
+        (lambda o: fxp.quantize(x, 4, 8, out=o), torch.zeros(4, 4), ValueError, "of x's shape \\[16\\]"),
+        (lambda o: fxp.quantize(x, 4, 8, out=o[::2]), torch.zeros(32), ValueError, "not contiguous"),
+        (lambda o: fxp.quantize(x, 4, 8, out=o.tolist()), torch.zeros(16), TypeError, "out must be a tensor"),
+        (lambda o: fxp.quantize(x, 4, 8, rounding="stochastic", offset=2**64 - 8, out=o), torch.zeros(16),
+         ValueError, "offset"),
+        (lambda o: fxp.quantize(x, 0, 8, out=o), torch.zeros(16), ValueError, "il"),
+    ]
+    for call, out, exc, msg in cases:
+        before = out.clone()
+        with pytest.raises(exc, match=msg):
+            call(out)
+        assert torch.equal(out, before), msg
+    shared = torch.zeros(40)
+    before = shared.clone()
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        fxp.quantize(shared[10:26], 4, 8, out=shared[20:36])
+    with pytest.raises(ValueError, match="out must not overlap x"):  # the codes too (2 bytes each)
+        fxp.encode(shared[:16], 4, 8, out=shared[8:16].view(torch.int16))
+    assert torch.equal(shared, before)
+    # a strided x is read through a contiguous copy: then out may share x's storage
+    base = torch.linspace(-3, 3, 32)
+    want = fxp.quantize(base[::2], 4, 8)
+    fxp.quantize(base[::2], 4, 8, out=base[16:])
+    assert torch.equal(base[16:], want)
+
+
 @pytest.mark.parametrize("make, exc, name", [
     (lambda a, b: fxp.matmul(a.float(), b, (4, 4), (4, 4), (4, 4)), ValueError, "a_codes"),
     (lambda a, b: fxp.matmul(a, b.long(), (4, 4), (4, 4), (4, 4)), ValueError, "b_codes"),

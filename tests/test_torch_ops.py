@@ -90,6 +90,10 @@ def samples(op: str, device: str) -> list:
     if op == "fixed_point_quantize":
         return [((fp((50,), device), 4, 8, True, 9, 0, torch.int16), {}),
                 ((fp((5, 6), device, torch.float64), 2, 14, False, 0, 0, torch.float32), {})]
+    if op == "fixed_point_quantize_out_":
+        return [((fp((50,), device), 4, 8, True, 9, 3, torch.empty(50, dtype=torch.int16, device=device)), {}),
+                ((fp((5, 6), device, torch.float64), 12, 20, False, 0, 0,
+                  torch.empty(5, 6, dtype=torch.float64, device=device)), {})]
     if op == "fixed_point_matmul":
         a = torch.randint(-100, 100, (5, 7), dtype=torch.int16, device=device)
         b = torch.randint(-100, 100, (7, 3), dtype=torch.int32, device=device)
@@ -122,6 +126,7 @@ def test_schema_marks_writes_only(op):
         "loss_scale_update_": {"scale", "growth_tracker", "hysteresis_left", "skipped_steps", "inv_scale"},
         "philox_words_": {"out"},
         "round_stochastic_out_": {"out"},
+        "fixed_point_quantize_out_": {"out"},
     }.get(op, set())
     assert writes == expected
 
@@ -163,27 +168,89 @@ def test_subclasses_that_intercept_dispatch_are_refused_and_plain_ones_taken():
     assert isinstance(out, TwoTensor) and torch.equal(out.a, torch.nn.functional.linear(a, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("call", [
-    lambda x: mpfused.round_stochastic(x, torch.float16, seed=1),
-    lambda x: mpfused.fixed_point.quantize(x, 4, 8, rounding="stochastic", seed=1),
-])
-def test_rounding_has_no_derivative(call):
+ROUNDINGS = {
+    "round_stochastic": lambda x: mpfused.round_stochastic(x, torch.float16, seed=1),
+    "quantize": lambda x: mpfused.fixed_point.quantize(x, 4, 8, rounding="stochastic", seed=1),
+    "encode": lambda x: mpfused.fixed_point.encode(x, 4, 8, rounding="stochastic", seed=1),
+}
+ROUNDINGS_OUT = {  # (call, the out tensor it writes, made for an x of 8 elements)
+    "round_stochastic": (lambda x, o: mpfused.round_stochastic(x, torch.bfloat16, seed=1, out=o),
+                         lambda: torch.full((8,), 3.0, dtype=torch.bfloat16)),
+    "quantize": (lambda x, o: mpfused.fixed_point.quantize(x, 4, 8, out=o), lambda: torch.full((8,), 3.0)),
+    "encode": (lambda x, o: mpfused.fixed_point.encode(x, 4, 8, out=o), lambda: torch.full((8,), 3, dtype=torch.int16)),
+}
+
+
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize"])
+def test_rounding_has_no_derivative(name):
     """A backward through a rounding raises (no silent gradient drop); under no_grad nothing is recorded."""
+    call = ROUNDINGS[name]
     x = torch.randn(8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="has no derivative"):
-        call(x).float().sum().backward()
+    y = call(x)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="has no derivative .*straight through"):
+        y.float().sum().backward()
     with torch.no_grad():
         assert not call(x).requires_grad
-    # a call from which no gradient can flow skips the autograd kernel (mpfused._ops._below_autograd):
-    # the same bits as through it
-    through = call(x).detach()
-    assert through.dtype == call(x.detach()).dtype and torch.equal(through, call(x.detach()))
+    assert torch.equal(call(x).detach(), call(x.detach()))  # the same bits with and without a graph
     # under vmap, x.requires_grad speaks for the innermost level only: the outer gradient is still refused
     w = torch.randn(3, 8, requires_grad=True)
     out = torch.func.vmap(call)(w)
     assert out.requires_grad
     with pytest.raises(RuntimeError, match="has no derivative"):
         out.float().sum().backward()
+    with pytest.raises(RuntimeError, match="has no derivative"):  # torch.func.grad, through the same kernel
+        torch.func.grad(lambda v: call(v).float().sum())(torch.randn(8))
+
+
+def test_codes_take_no_gradient():
+    """encode's int codes cannot carry a gradient (integers never do in torch): no graph, no error, as
+    for torch's own integer-valued ops (argmax)."""
+    x = torch.randn(8, requires_grad=True)
+    codes = ROUNDINGS["encode"](x)
+    assert codes.dtype == torch.int16 and not codes.requires_grad and codes.grad_fn is None
+
+
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize", "encode"])
+@pytest.mark.parametrize("out_form", [False, True])
+def test_forward_mode_ad_is_refused(name, out_form):
+    """Forward-mode AD (dual tensors, torch.func.jvp) through a rounding raises instead of returning a zero
+    or missing tangent; out= is left unwritten."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = torch.randn(8), torch.randn(8)
+    out = ROUNDINGS_OUT[name][1]() if out_form else None
+    before = None if out is None else out.clone()
+    call = (lambda v: ROUNDINGS_OUT[name][0](v, out)) if out_form else ROUNDINGS[name]
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="has no derivative .*forward mode"):
+            call(fwAD.make_dual(x, t))
+    with pytest.raises(RuntimeError, match="has no derivative .*forward mode"):
+        torch.func.jvp(call, (x,), (t,))
+    if out is not None:
+        assert torch.equal(out, before)
+    assert torch.equal(torch.func.jvp(lambda v: v * 2, (x,), (t,))[1], t * 2)  # the check itself works
+
+
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize", "encode"])
+def test_out_forms_refuse_autograd_and_write_nothing(name):
+    """out= takes no part in autograd, as torch's own out= arguments: an x or out that requires grad while
+    grad mode is on is refused before out is written (never a result detached in silence); under
+    no_grad, or with detached tensors, the call writes out."""
+    call, make_out = ROUNDINGS_OUT[name]
+    x = torch.randn(8, requires_grad=True)
+    out = make_out()
+    before = out.clone()
+    with pytest.raises(RuntimeError, match="with out= takes no part in autograd .*, but x requires grad"):
+        call(x, out)
+    assert torch.equal(out, before)
+    with torch.no_grad():
+        call(x, out)
+    assert not out.requires_grad and torch.equal(out, call(x.detach(), make_out()))
+    if out.is_floating_point():
+        target = make_out().requires_grad_()
+        with pytest.raises(RuntimeError, match="out requires grad"):
+            call(x.detach(), target)
 
 
 def test_fixed_point_format_overflow_is_refused():

@@ -2,7 +2,8 @@
 // operators (torch.ops.mpfused.*): it registers their schemas (TORCH_LIBRARY_FRAGMENT, mutations marked),
 // their CPU and CUDA kernels (TORCH_LIBRARY_IMPL), and validates every at::Tensor argument with these
 // helpers before anything is written, so a message reads the same whichever op raises it. The fake
-// (meta) kernels and the autograd formulas are registered in Python (mpfused/_ops.py). Header-only,
+// (meta) kernels and the GEMM's autograd formula are registered in Python (mpfused/_ops.py); the roundings'
+// autograd kernel, which refuses every derivative, is C++ (no_derivative.cpp). Header-only,
 // inline, in namespace mpf_torch.
 #pragma once
 
@@ -96,6 +97,26 @@ inline bool grad_pairs(const at::Tensor& p, const at::Tensor& g) {
   DType d;
   return plain(p) && plain(g) && kernel_dtype(p.scalar_type(), &d) && g.scalar_type() == p.scalar_type() &&
          g.device() == p.device() && p.is_non_overlapping_and_dense() && same_layout(g, p);
+}
+
+// The output of an elementwise op written into a caller's tensor: a contiguous `dtype` tensor of x's shape
+// on x's device (the kernels write it as a flat array in x's row-major order).
+inline void check_output(const at::Tensor& out, const std::string& name, const at::Tensor& x, at::ScalarType dtype) {
+  check_dense(out, name);
+  if (out.scalar_type() != dtype || out.sizes() != x.sizes() || out.device() != x.device() || !out.is_contiguous())
+    fail(name + " must be a contiguous " + std::string(c10::toString(dtype)) + " tensor of x's shape " +
+         c10::str(x.sizes()) + " on " + x.device().str() + ", got a " + describe(out) +
+         (out.is_contiguous() ? "" : " (not contiguous)"));
+}
+
+// A kernel that reads `src` while it writes `dst` (both contiguous) needs them apart in memory.
+inline void check_disjoint(const at::Tensor& src, const std::string& src_name, const at::Tensor& dst,
+                           const std::string& dst_name) {
+  if (src.numel() == 0 || dst.numel() == 0) return;
+  const auto* sb = static_cast<const char*>(src.data_ptr());
+  const auto* db = static_cast<const char*>(dst.data_ptr());
+  if (sb < db + dst.numel() * dst.element_size() && db < sb + src.numel() * src.element_size())
+    fail(dst_name + " must not overlap " + src_name);
 }
 
 // A float32 tensor of exactly one element on `device`: found_inf, inv_scale, sumsq.

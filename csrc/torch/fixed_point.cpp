@@ -1,4 +1,4 @@
-// torch.ops.mpfused.fixed_point_quantize and fixed_point_matmul: fixed point <IL, FL> Convert
+// torch.ops.mpfused.fixed_point_quantize, fixed_point_quantize_out_ and fixed_point_matmul: fixed point <IL, FL> Convert
 // (quantize/encode) and the MACC (matmul), csrc/core/fixed_point.h. Every argument
 // is checked before anything is allocated or launched; then the CPU or CUDA backend runs.
 #include <ATen/Parallel.h>
@@ -36,9 +36,11 @@ bool code_type(at::ScalarType s, FixedType* t) {
 
 int code_bits(FixedType t) { return t == FixedType::kInt16 ? 16 : 32; }
 
-// Convert(x, <il, fl>) into a new tensor of dtype out_dtype: int16/int32 codes, or float32/float64 values.
-at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed_bits,
-                                int64_t offset_bits, at::ScalarType out_dtype) {
+// Convert(x, <il, fl>) into `out` when given (its dtype is the output's), else into a new tensor of dtype
+// out_dtype: int16/int32 codes, or float32/float64 values. `what` names the output's dtype in messages.
+at::Tensor quantize_impl(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed_bits,
+                         int64_t offset_bits, at::ScalarType out_dtype, const std::optional<at::Tensor>& out,
+                         const std::string& what) {
   const uint64_t seed = u64_of(seed_bits), offset = u64_of(offset_bits);
   check_dense(x, "x");
   check_backend(x.device(), "x");
@@ -55,22 +57,26 @@ at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, boo
   FixedType dst_type;
   if (code_type(out_dtype, &dst_type)) {
     if (wl > code_bits(dst_type))
-      fail("out_dtype " + std::string(c10::toString(out_dtype)) + " cannot hold codes of " + std::to_string(wl) +
-           " bits; use torch.int32");
+      fail(what + " torch.int" + std::to_string(code_bits(dst_type)) + " cannot hold codes of " +
+           std::to_string(wl) + " bits; use torch.int32");
   } else if (out_dtype == at::kFloat) {
-    if (wl > 24) fail("float32 values of a format with il + fl = " + std::to_string(wl) + " > 24 are not exact; use torch.float64");
+    if (wl > 24)
+      fail(what + " float32 cannot hold the values of a format with il + fl = " + std::to_string(wl) +
+           " > 24 exactly; use torch.float64");
     dst_type = FixedType::kFloat32;
   } else if (out_dtype == at::kDouble) {
     dst_type = FixedType::kFloat64;
   } else {
-    fail(std::string("out_dtype must be torch.int16, torch.int32, torch.float32 or torch.float64, got ") +
-         c10::toString(out_dtype));
+    fail(what + " must be torch.int16, torch.int32, torch.float32 or torch.float64, got " +
+         std::string(c10::toString(out_dtype)));
   }
   check_offset(offset, x.numel());
+  if (out) check_output(*out, "out", x, out_dtype);
 
   const at::Tensor src = x.contiguous();
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(out_dtype));
-  const mpf::FixedQuantizeArgs a{src.data_ptr(), src_type, out.data_ptr(), dst_type, src.numel(), fmt,
+  if (out) check_disjoint(src, "x", *out, "out");
+  at::Tensor dst = out ? *out : at::empty(src.sizes(), src.options().dtype(out_dtype));
+  const mpf::FixedQuantizeArgs a{src.data_ptr(), src_type, dst.data_ptr(), dst_type, src.numel(), fmt,
                                  rounding_of(stochastic), seed, offset};
   if (x.device().is_cpu()) {
     mpf::fixed_quantize_cpu(a, at::get_num_threads());
@@ -80,7 +86,19 @@ at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, boo
     mpf::fixed_quantize_cuda(a, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
 #endif
   }
-  return out;
+  return dst;
+}
+
+at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed,
+                                int64_t offset, at::ScalarType out_dtype) {
+  return quantize_impl(x, il, fl, stochastic, seed, offset, out_dtype, std::nullopt, "out_dtype");
+}
+
+// The same into `out`, a contiguous tensor of x's shape on its device whose dtype is the output's.
+void fixed_point_quantize_out_(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed,
+                               int64_t offset, const at::Tensor& out) {
+  check_dense(out, "out");
+  quantize_impl(x, il, fl, stochastic, seed, offset, out.scalar_type(), out, "out's dtype");
 }
 
 void check_codes(const at::Tensor& t, const std::string& name, FixedType* type) {
@@ -145,8 +163,11 @@ using namespace mpf_torch;
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.def("fixed_point_quantize(Tensor x, int il, int fl, bool stochastic, int seed, int offset, ScalarType out_dtype) "
         "-> Tensor");
+  m.def("fixed_point_quantize_out_(Tensor x, int il, int fl, bool stochastic, int seed, int offset, Tensor(a!) out) "
+        "-> ()");
   m.def("fixed_point_matmul(Tensor a, Tensor b, int il_a, int fl_a, int il_b, int fl_b, int il_out, int fl_out, "
         "bool stochastic, int seed, int offset, ScalarType out_dtype) -> Tensor");
 }
 MPF_TORCH_IMPL_CPU_CUDA("fixed_point_quantize", &fixed_point_quantize)
+MPF_TORCH_IMPL_CPU_CUDA("fixed_point_quantize_out_", &fixed_point_quantize_out_)
 MPF_TORCH_IMPL_CPU_CUDA("fixed_point_matmul", &fixed_point_matmul)

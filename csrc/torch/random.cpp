@@ -69,20 +69,9 @@ at::Tensor round_stochastic_impl(const at::Tensor& x, at::ScalarType dtype, uint
   if (x.scalar_type() != at::kFloat) fail("x must be a float32 tensor, got a " + describe(x));
   if (dtype != at::kHalf && dtype != at::kBFloat16)
     fail(std::string("dtype must be torch.float16 or torch.bfloat16, got ") + c10::toString(dtype));
-  if (out) {
-    check_dense(*out, "out");
-    if (out->scalar_type() != dtype || out->sizes() != x.sizes() || out->device() != x.device() ||
-        !out->is_contiguous())
-      fail("out must be a contiguous " + std::string(c10::toString(dtype)) + " tensor of x's shape " +
-           c10::str(x.sizes()) + " on " + x.device().str() + ", got a " + describe(*out) +
-           (out->is_contiguous() ? "" : " (not contiguous)"));
-  }
+  if (out) check_output(*out, "out", x, dtype);
   const at::Tensor src = x.contiguous();
-  if (out && src.numel() > 0) {  // the kernel reads src while it writes out: they must not share memory
-    const auto* sb = static_cast<const char*>(src.data_ptr());
-    const auto* ob = static_cast<const char*>(out->data_ptr());
-    if (sb < ob + out->numel() * 2 && ob < sb + src.numel() * 4) fail("out must not overlap x");
-  }
+  if (out) check_disjoint(src, "x", *out, "out");
   const mpf::RandomArgs r = random_args(src.numel(), seed, offset, mpf::kStreamRound, 0);
   at::Tensor dst = out ? *out : at::empty(src.sizes(), src.options().dtype(dtype));
   const mpf::DType d = dtype == at::kHalf ? mpf::DType::kFloat16 : mpf::DType::kBFloat16;
