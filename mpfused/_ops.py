@@ -637,4 +637,5 @@ torch.library.register_autograd("mpfused::gemm_with_pre", _gemm_with_pre_backwar
 # ---- the operators with no derivative ------------------------------------------------------------------
 # round_stochastic, fixed_point_quantize and their out_ forms: their autograd kernel is C++
 # (csrc/torch/no_derivative.cpp). A backward through a rounding raises, forward-mode AD raises, and an out_
-# form refuses tensors that take part in autograd: no gradient is dropped in silence.
+# form refuses tensors that take part in autograd: no gradient is dropped in silence. The same file keeps
+# forward-mode tangents out of the GEMM, whose formula above is reverse-mode only.

@@ -211,46 +211,146 @@ def test_codes_take_no_gradient():
     assert codes.dtype == torch.int16 and not codes.requires_grad and codes.grad_fn is None
 
 
-@pytest.mark.parametrize("name", ["round_stochastic", "quantize", "encode"])
-@pytest.mark.parametrize("out_form", [False, True])
-def test_forward_mode_ad_is_refused(name, out_form):
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize"])
+@pytest.mark.parametrize("where", ["x", "out", "none"])
+def test_forward_mode_ad_is_refused(name, where):
     """Forward-mode AD (dual tensors, torch.func.jvp) through a rounding raises instead of returning a zero
-    or missing tangent; out= is left unwritten."""
+    or missing tangent, whether the tangent is on x or on out=; out is left unwritten."""
     import torch.autograd.forward_ad as fwAD
 
     x, t = torch.randn(8), torch.randn(8)
-    out = ROUNDINGS_OUT[name][1]() if out_form else None
+    out = None if where == "none" else ROUNDINGS_OUT[name][1]()
     before = None if out is None else out.clone()
-    call = (lambda v: ROUNDINGS_OUT[name][0](v, out)) if out_form else ROUNDINGS[name]
     with fwAD.dual_level():
+        if where == "none":
+            call, arg = ROUNDINGS[name], fwAD.make_dual(x, t)
+        elif where == "x":
+            call, arg = (lambda v: ROUNDINGS_OUT[name][0](v, out)), fwAD.make_dual(x, t)
+        else:
+            dual_out = fwAD.make_dual(out, torch.ones_like(out))
+            call, arg = (lambda v: ROUNDINGS_OUT[name][0](v, dual_out)), x
+        with pytest.raises(RuntimeError, match=f"has no derivative .*forward mode.*but {where if where != 'none' else 'x'} "
+                                               "carries a tangent"):
+            call(arg)
+    if where != "out":
         with pytest.raises(RuntimeError, match="has no derivative .*forward mode"):
-            call(fwAD.make_dual(x, t))
-    with pytest.raises(RuntimeError, match="has no derivative .*forward mode"):
-        torch.func.jvp(call, (x,), (t,))
+            torch.func.jvp(call, (x,), (t,))
     if out is not None:
         assert torch.equal(out, before)
-    assert torch.equal(torch.func.jvp(lambda v: v * 2, (x,), (t,))[1], t * 2)  # the check itself works
+
+
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize"])
+def test_the_advised_straight_through_estimator_works_in_both_modes(name):
+    """The way out the errors give: round x.detach(), and pass the gradient straight through. Its tangent
+    and its gradient are exactly the identity's."""
+    call = ROUNDINGS[name]
+
+    def ste(v):
+        return v + (call(v.detach()).float() - v).detach()
+
+    x, t = torch.randn(8), torch.randn(8)
+    primal, tangent = torch.func.jvp(ste, (x,), (t,))
+    assert torch.equal(tangent, t) and torch.equal(primal, call(x).float())
+    assert torch.equal(torch.func.grad(lambda v: (ste(v) * t).sum())(x), t)
+
+
+def test_roundings_opcheck_with_inputs_that_require_grad():
+    """opcheck's autograd-registration check with an x that requires grad (its AOT test is left out: it
+    runs a backward, which for a rounding raises by design, as test_rounding_has_no_derivative checks)."""
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    x = fp((9, 11), "cpu").requires_grad_()
+    ops = torch.ops.mpfused
+    torch.library.opcheck(ops.round_stochastic.default, (x, torch.float16, 3, 100), test_utils=utils)
+    for dtype in (torch.float32, torch.int16):
+        torch.library.opcheck(ops.fixed_point_quantize.default, (x, 4, 8, True, 9, 0, dtype), test_utils=utils)
+
+
+def test_codes_pass_forward_mode_as_integers_do():
+    """encode's integer codes carry no tangent, as torch's argmax: a function of x and its codes has the
+    tangent of its float part."""
+    fxp = mpfused.fixed_point
+    x, t = torch.randn(8), torch.randn(8)
+    q = fxp.decode(fxp.encode(x, 4, 8), 4, 8)
+    primal, tangent = torch.func.jvp(lambda v: v * fxp.decode(fxp.encode(v, 4, 8), 4, 8), (x,), (t,))
+    assert torch.equal(primal, x * q) and torch.equal(tangent, t * q)
+    codes = torch.zeros(8, dtype=torch.int16)
+    x_grad = x.clone().requires_grad_()
+    assert fxp.encode(x_grad, 4, 8, out=codes) is codes and torch.equal(codes, fxp.encode(x, 4, 8))
 
 
 @pytest.mark.parametrize("name", ["round_stochastic", "quantize", "encode"])
 def test_out_forms_refuse_autograd_and_write_nothing(name):
     """out= takes no part in autograd, as torch's own out= arguments: an x or out that requires grad while
     grad mode is on is refused before out is written (never a result detached in silence); under
-    no_grad, or with detached tensors, the call writes out."""
+    no_grad, or with detached tensors, the call writes out. Integer codes take no gradient: there
+    encode(out=) writes, as torch's integer-valued ops do."""
     call, make_out = ROUNDINGS_OUT[name]
     x = torch.randn(8, requires_grad=True)
     out = make_out()
     before = out.clone()
-    with pytest.raises(RuntimeError, match="with out= takes no part in autograd .*, but x requires grad"):
-        call(x, out)
-    assert torch.equal(out, before)
-    with torch.no_grad():
-        call(x, out)
-    assert not out.requires_grad and torch.equal(out, call(x.detach(), make_out()))
     if out.is_floating_point():
+        with pytest.raises(RuntimeError, match="with out= takes no part in autograd .*, but x requires grad"):
+            call(x, out)
+        assert torch.equal(out, before)
         target = make_out().requires_grad_()
         with pytest.raises(RuntimeError, match="out requires grad"):
             call(x.detach(), target)
+        assert torch.equal(target.detach(), before)
+        with torch.no_grad():
+            call(x, out)
+    else:
+        call(x, out)
+    assert not out.requires_grad and torch.equal(out, call(x.detach(), make_out()))
+
+
+@pytest.mark.parametrize("name", ["round_stochastic", "quantize", "encode"])
+def test_out_forms_count_their_write_in_out_version(name):
+    """A write through out= bumps out's version counter, as torch's in-place ops do: a graph that saved out
+    for its backward then refuses the new values instead of using them."""
+    call, make_out = ROUNDINGS_OUT[name]
+    x = torch.randn(8)
+    out = make_out()
+    v0 = out._version
+    call(x, out)
+    assert out._version > v0
+    if out.is_floating_point():
+        w = torch.ones(8, requires_grad=True, dtype=out.dtype)
+        y = (w * out).sum()  # saves out for w's gradient
+        call(x * 3, out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+def test_out_forms_refuse_an_inference_tensor_before_writing():
+    with torch.inference_mode():
+        out = torch.full((8,), 3.0)
+    with pytest.raises(RuntimeError, match="out is an inference tensor"):
+        mpfused.fixed_point.quantize(torch.randn(8), 4, 8, out=out)
+    assert torch.equal(out, torch.full((8,), 3.0))
+    with torch.inference_mode():  # inside inference mode the write is allowed, as for torch's in-place ops
+        mpfused.fixed_point.quantize(torch.randn(8), 4, 8, out=out)
+
+
+def test_gemm_refuses_forward_mode_ad():
+    """The GEMM has a reverse-mode formula only: a tangent on any input raises (it used to come back as
+    None for a dual tensor and as zeros under torch.func.jvp); reverse mode is unchanged."""
+    import torch.autograd.forward_ad as fwAD
+
+    a, b = torch.randn(4, 8, dtype=torch.float16), torch.randn(8, 3, dtype=torch.float16)
+    ta = torch.randn_like(a)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="no forward-mode derivative, but a carries a tangent"):
+            mpfused.gemm(fwAD.make_dual(a, ta), b)
+        with pytest.raises(RuntimeError, match="but b carries a tangent"):
+            mpfused.gemm(a, fwAD.make_dual(b, torch.randn_like(b)))
+    with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+        torch.func.jvp(lambda v: mpfused.gemm(v, b), (a,), (ta,))
+    layer = mpfused.nn.FusedLinear(8, 3, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+        torch.func.jvp(layer, (a,), (ta,))
+    a_rg = a.clone().requires_grad_()  # reverse mode passes the new kernel: d(sum(a @ b))/da = b's row sums
+    mpfused.gemm(a_rg, b).float().sum().backward()
+    assert torch.equal(a_rg.grad, mpfused.gemm(torch.ones(4, 3, dtype=torch.float16), b.t().contiguous()))
 
 
 def test_fixed_point_format_overflow_is_refused():
