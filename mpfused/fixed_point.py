@@ -171,8 +171,9 @@ def encode(x: torch.Tensor, il: int, fl: int, *, rounding: str = "nearest", seed
            offset: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The codes of Convert(x, <il, fl>): integers in ``[-2^(wl-1), 2^(wl-1) - 1]``, int16 when
     ``wl <= 16``, int32 up to 32; ``decode(encode(x, ...), il, fl) == quantize(x, ...)``. ``out``: a
-    contiguous int16 (``wl <= 16``) or int32 tensor of ``x``'s shape on its device to write the codes into
-    (returned), as in :func:`quantize`."""
+    contiguous int16 (``wl <= 16``) or int32 tensor of ``x``'s shape on its device, not overlapping ``x``, to
+    write the codes into (returned). Integer codes carry no gradient (as torch's integer-valued ops), so
+    ``x`` may require grad here."""
     fmt = _format_of(il, fl)
     return _convert(x, fmt, rounding, seed, offset, fmt.code_dtype, out, _CODE_DTYPES, "encode gives codes")
 

@@ -1,6 +1,7 @@
-// torch.ops.mpfused.fixed_point_quantize, fixed_point_quantize_out_ and fixed_point_matmul: fixed point <IL, FL> Convert
-// (quantize/encode) and the MACC (matmul), csrc/core/fixed_point.h. Every argument
-// is checked before anything is allocated or launched; then the CPU or CUDA backend runs.
+// torch.ops.mpfused.fixed_point_quantize, fixed_point_quantize_out_ and fixed_point_matmul: fixed point
+// <IL, FL> Convert (quantize/encode, into a new tensor or into out) and the MACC (matmul),
+// csrc/core/fixed_point.h. Every argument is checked before anything is allocated, written or launched;
+// then the CPU or CUDA backend runs.
 #include <ATen/Parallel.h>
 
 #include "common.h"

@@ -121,8 +121,8 @@ void no_forward_derivative(const c10::OperatorHandle& op, c10::DispatchKeySet ke
     const c10::IValue& v = (*stack)[first + i];
     if (v.isTensor() && v.toTensor().defined() && v.toTensor()._fw_grad(0).defined())
       TORCH_CHECK(false, "mpfused.gemm (and FusedLinear) has no forward-mode derivative, but ", args[i].name(),
-                  " carries a tangent (a dual tensor, torch.func.jvp); use reverse mode (backward, torch.func.grad "
-                  "or vjp), or torch's matmul for forward-mode AD");
+                  " carries a tangent (a dual tensor, torch.func.jvp); use reverse mode (loss.backward() or "
+                  "torch.autograd.grad), or torch's matmul for forward-mode AD");
   }
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
