@@ -13,7 +13,9 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from conftest import requires_cuda
-from test_random import reference_words
+import numpy as np
+
+from test_random import fp16_shortcut_inputs, reference_words, sr_bits_reference
 from tolerances import SR_SIGMAS
 
 ALL = [FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion]
@@ -238,6 +240,28 @@ def test_stochastic_write_back_across_a_carry_of_the_block_counter(dtype, lead):
     words = torch.tensor(reference_words(p.numel(), 77, offset, stream=(1, 1)), dtype=torch.int64)
     assert float(step) == 1.0
     assert torch.equal(bits(p), sr_reference(x.float() - 1e-3, words, dtype))
+
+
+@pytest.mark.parametrize("offset", [0, 3, 8 * (2**32 - 31) - 2000])
+def test_fp16_shortcut_of_the_write_back(offset):
+    """The FP16 write-back's vector shortcut (philox_blocks.inc: a vector with no value below 2^-14 and no
+    NaN skips the subnormal path), bit for bit against the rule in numpy: FP32 masters with every kind of
+    value the shortcut takes, and the same with one value in every 96 that it must not take, written to
+    the FP16 param by an SGD step with lr 0 (the master is the weight, unchanged). Offset 3 starts
+    mid-block, so the vectors hold other stretches; the last puts a carry of the block index inside."""
+    u = fp16_shortcut_inputs()
+    master = torch.from_numpy(u.view(np.int32).copy()).view(torch.float32)
+    p, step = torch.zeros(u.size, dtype=torch.float16), torch.zeros(())
+    hyper = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    mpfused._ops.optim_step_("sgd", [p], [torch.zeros_like(p)], [master], {}, [step], lr=0.0, hyper=hyper,
+                             rounding="stochastic", seed=12345, sr_offsets=[offset])
+    r = np.array(reference_words(u.size, 12345, offset, stream=(1, 1)), dtype=np.uint32)
+    want = sr_bits_reference(u, r, torch.float16)
+    got = bits(p).numpy().view(np.uint16)
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, [(hex(int(u[i])), hex(int(r[i])), hex(int(got[i])), hex(int(want[i]))) for i in wrong[:5]]
+    # the inputs reach what they are for: infinities from finite values, and the smallest normal kept
+    assert np.any((want[: u.size // 2] & 0x7FFF) == 0x7C00) and np.any((want & 0x7FFF) == 0x0400)
 
 
 @pytest.mark.parametrize("dtype", LOWP)
