@@ -178,8 +178,8 @@ def every_kind_of_input(n: int) -> np.ndarray:
     return mixed[g.permutation(mixed.size)]
 
 
-# The carry offsets: one pass of the avx512 (32 blocks) and avx2 (8 blocks) paths starts at the last block
-# index whose pass still fits below the carry (2^32 - 32, 2^32 - 8), and one at the first that does not.
+# The carry offsets: one pass of the avx512 (32 blocks) and avx2 (16 blocks) paths starts at the last block
+# index whose pass still fits below the carry (2^32 - 32, 2^32 - 16), and one at the first that does not.
 CARRY_OFFSETS = [8 * 2**32 - 2000, 8 * 2**32 - 2005, 8 * (2**32 - 32) - 256, 8 * (2**32 - 31) - 256]
 
 
