@@ -1,6 +1,8 @@
 """Proves from the built extension's machine code, on any x86-64 machine (AVX-512 hardware or not), that
 the CPU clones use the vector widths of their instruction sets: every hot loop of the avx512 clone has
-zmm (512-bit) instructions, the avx2 clone has ymm and no zmm, the baseline clone neither.
+zmm (512-bit) instructions, the avx2 clone has ymm and no zmm, the baseline clone neither; and that no
+clone calls the shared per-element math of csrc/core out of line (a policy's update, a conversion, a
+rounding): such a call inside a loop keeps the loop scalar, whatever else it holds.
 
     python .ci/check_isa_clones.py [path/to/mpfused/_C*.so]     (exit status 1 on a failed check)
 """
@@ -23,48 +25,72 @@ POLICY = re.compile(r"mpf::(\w+Policy)\b")
 PACKED_MUL = {"avx2": re.compile(r"\tvmulps\s.*%ymm"), "avx512": re.compile(r"\tvmulps\s.*%zmm")}
 
 
-def policy_vector_muls(so_path: str) -> dict[tuple[str, str], int]:
-    """(clone, optimizer policy) -> packed multiplies in the functions whose symbols name the policy: every
-    policy's update must vectorise on every path (a conditional FP operation in it, e.g., keeps the avx2
-    clone scalar while the avx512 one, with masks, vectorises)."""
-    dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", so_path], check=True, capture_output=True,
-                         text=True).stdout
-    muls: dict[tuple[str, str], int] = {}
-    key = None
-    for line in dis.splitlines():
-        m = SYMBOL.match(line)
-        if m:
-            c, p = CLONE.search(m.group(1)), POLICY.search(m.group(1))
-            key = (c.group(1), p.group(1)) if c and p and c.group(1) in PACKED_MUL else None
-            if key:
-                muls.setdefault(key, 0)
-        elif key is not None and PACKED_MUL[key[0]].search(line):
-            muls[key] += 1
-    return muls
+# A call instruction and its target's demangled name.
+CALL = re.compile(r"\tcall\s+[0-9a-f]+ <(.*)>$")
 
 
-def register_use(so_path: str) -> dict[tuple[str, str], dict[str, int]]:
-    """(clone, function) -> instruction count and counts of those naming ymm / zmm registers."""
+def clone_functions(so_path: str):
+    """(clone, demangled symbol, instruction lines) for every function of the baseline/avx2/avx512 clones
+    in the extension's machine code (objdump)."""
     dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", so_path], check=True, capture_output=True,
                          text=True).stdout
-    use: dict[tuple[str, str], dict[str, int]] = {}
     current = None
     for line in dis.splitlines():
         m = SYMBOL.match(line)
         if m:
+            if current:
+                yield current
             c = CLONE.search(m.group(1))
-            fn = next((h for h in HOT_LOOPS if h in m.group(1)), c.group(2)) if c else None
-            current = use.setdefault((c.group(1), fn), {"insns": 0, "ymm": 0, "zmm": 0}) if c else None
+            current = (c.group(1), m.group(1), []) if c else None
         elif current is not None and "\t" in line:
-            current["insns"] += 1
-            current["ymm"] += "%ymm" in line
-            current["zmm"] += "%zmm" in line
+            current[2].append(line)
+    if current:
+        yield current
+
+
+def policy_vector_muls(functions) -> dict[tuple[str, str], int]:
+    """(clone, optimizer policy) -> packed multiplies in the functions whose symbols name the policy: every
+    policy's update must vectorise on every path (a conditional FP operation in it, e.g., keeps the avx2
+    clone scalar while the avx512 one, with masks, vectorises)."""
+    muls: dict[tuple[str, str], int] = {}
+    for clone, name, lines in functions:
+        p = POLICY.search(name)
+        if p and clone in PACKED_MUL:
+            key = (clone, p.group(1))
+            muls[key] = muls.get(key, 0) + sum(1 for line in lines if PACKED_MUL[clone].search(line))
+    return muls
+
+
+def shared_calls(functions) -> dict[tuple[str, str], int]:
+    """(clone, callee) -> calls from a clone's functions to functions of namespace mpf outside the clones:
+    the shared core (csrc/core, MPF_HD: forced inline) must be inlined into every clone. GCC stops inlining
+    once a translation unit has grown past its limits, and then calls a policy's update once per element."""
+    calls: dict[tuple[str, str], int] = {}
+    for clone, _, lines in functions:
+        for line in lines:
+            m = CALL.search(line)
+            if m and re.match(r"(?:\w[\w:<>, ]* )?mpf::", m.group(1)) and not CLONE.search(m.group(1)):
+                callee = re.sub(r"\(.*", "", m.group(1)).removeprefix("void ").removeprefix("auto ")
+                calls[(clone, callee)] = calls.get((clone, callee), 0) + 1
+    return calls
+
+
+def register_use(functions) -> dict[tuple[str, str], dict[str, int]]:
+    """(clone, function) -> instruction count and counts of those naming ymm / zmm registers."""
+    use: dict[tuple[str, str], dict[str, int]] = {}
+    for clone, name, lines in functions:
+        fn = next((h for h in HOT_LOOPS if h in name), CLONE.search(name).group(2))
+        n = use.setdefault((clone, fn), {"insns": 0, "ymm": 0, "zmm": 0})
+        n["insns"] += len(lines)
+        n["ymm"] += sum("%ymm" in line for line in lines)
+        n["zmm"] += sum("%zmm" in line for line in lines)
     return use
 
 
 def check(so_path: str) -> list[str]:
     """The failed checks (empty when the clones are as they should be)."""
-    use = register_use(so_path)
+    functions = list(clone_functions(so_path))
+    use = register_use(functions)
     problems = []
     for fn in HOT_LOOPS:
         for clone in ("avx2", "avx512"):  # the baseline one may be inlined into its caller
@@ -74,12 +100,14 @@ def check(so_path: str) -> list[str]:
             problems.append(f"avx512::{fn} has no zmm instruction: GCC kept to 256-bit vectors")
         if use.get(("avx2", fn), {}).get("ymm", 0) == 0:
             problems.append(f"avx2::{fn} has no ymm instruction")
-    muls = policy_vector_muls(so_path)
+    muls = policy_vector_muls(functions)
     if not muls:
         problems.append("no optimizer policy found in the CPU clones")
     for (clone, policy), n in sorted(muls.items()):
         if n == 0:
             problems.append(f"{clone}: the {policy} update has no packed multiply: its loop did not vectorise")
+    for (clone, callee), n in sorted(shared_calls(functions).items()):
+        problems.append(f"{clone}: {n} out-of-line call(s) to the shared {callee}: it must be inlined (MPF_HD)")
     for (clone, fn), n in sorted(use.items()):
         if clone != "avx512" and n["zmm"]:
             problems.append(f"{clone}::{fn} uses zmm registers ({n['zmm']} instructions)")
@@ -98,7 +126,7 @@ def main() -> int:
         print("FAIL:", p)
     if not problems:
         print(f"ISA clones OK in {Path(paths[0]).name}: {', '.join(HOT_LOOPS)} use zmm in avx512, ymm in avx2; "
-              "every optimizer policy's update vectorises on both")
+              "every optimizer policy's update vectorises on both; no clone calls the shared core out of line")
     return 1 if problems else 0
 
 

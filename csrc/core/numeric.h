@@ -14,7 +14,11 @@
 #include <cuda_fp16.h>
 #define MPF_HD __host__ __device__ __forceinline__
 #else
-#define MPF_HD inline
+// Forced inline on the host as on the device: the CPU loops vectorise only where every per-element call
+// (a policy's update, a conversion, a rounding) is inlined, and GCC's inliner stops inlining even small
+// functions once a translation unit has grown past its limits (the optimizer's clones did: each policy's
+// update became an out-of-line scalar call per element). .ci/check_isa_clones.py checks the result.
+#define MPF_HD inline __attribute__((always_inline))
 #endif
 
 namespace mpf {
