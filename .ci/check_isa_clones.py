@@ -25,25 +25,33 @@ POLICY = re.compile(r"mpf::(\w+Policy)\b")
 PACKED_MUL = {"avx2": re.compile(r"\tvmulps\s.*%ymm"), "avx512": re.compile(r"\tvmulps\s.*%zmm")}
 
 
-# A call instruction and its target's demangled name.
-CALL = re.compile(r"\tcall\s+[0-9a-f]+ <(.*)>$")
+# A call or tail call (binutils before 2.36 print callq/jmpq) and the symbol it names, the last <...> of the
+# line (a call through the GOT names it in a comment). A target with an offset (+0x..) is a jump inside a
+# function, not a call.
+CALL = re.compile(r"\t(?:call|jmp)q?\s.*<([^<>+]+)>\s*$")
+# Mangled names: a function of namespace mpf, and one of its anonymous namespace (the clones and the
+# backends' own helpers, which are not the shared core).
+MPF_SCOPE = re.compile(r"_ZNK?3mpf")
+MPF_LOCAL = re.compile(r"_ZNK?3mpf12_GLOBAL__N_1")
 
 
 def clone_functions(so_path: str):
-    """(clone, demangled symbol, instruction lines) for every function of the baseline/avx2/avx512 clones
-    in the extension's machine code (objdump)."""
-    dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", so_path], check=True, capture_output=True,
-                         text=True).stdout
+    """(clone, demangled symbol, instruction lines, the same lines with mangled names) for every function
+    of the baseline/avx2/avx512 clones in the extension's machine code (objdump)."""
+    def disassemble(*flags):
+        return subprocess.run(["objdump", "-d", "--no-show-raw-insn", *flags, so_path], check=True,
+                              capture_output=True, text=True).stdout.splitlines()
     current = None
-    for line in dis.splitlines():
+    for line, raw in zip(disassemble("-C"), disassemble(), strict=True):
         m = SYMBOL.match(line)
         if m:
             if current:
                 yield current
             c = CLONE.search(m.group(1))
-            current = (c.group(1), m.group(1), []) if c else None
+            current = (c.group(1), m.group(1), [], []) if c else None
         elif current is not None and "\t" in line:
             current[2].append(line)
+            current[3].append(raw)
     if current:
         yield current
 
@@ -53,7 +61,7 @@ def policy_vector_muls(functions) -> dict[tuple[str, str], int]:
     policy's update must vectorise on every path (a conditional FP operation in it, e.g., keeps the avx2
     clone scalar while the avx512 one, with masks, vectorises)."""
     muls: dict[tuple[str, str], int] = {}
-    for clone, name, lines in functions:
+    for clone, name, lines, _ in functions:
         p = POLICY.search(name)
         if p and clone in PACKED_MUL:
             key = (clone, p.group(1))
@@ -61,24 +69,31 @@ def policy_vector_muls(functions) -> dict[tuple[str, str], int]:
     return muls
 
 
-def shared_calls(functions) -> dict[tuple[str, str], int]:
-    """(clone, callee) -> calls from a clone's functions to functions of namespace mpf outside the clones:
-    the shared core (csrc/core, MPF_HD: forced inline) must be inlined into every clone. GCC stops inlining
-    once a translation unit has grown past its limits, and then calls a policy's update once per element."""
+def shared_calls(functions) -> tuple[dict[tuple[str, str], int], int]:
+    """((clone, callee) -> calls and tail calls from a clone's functions to functions of namespace mpf
+    outside its anonymous namespace, all calls counted): the shared core (csrc/core, MPF_HD: forced inline)
+    must be inlined into every clone. GCC stops inlining once a translation unit has grown past its limits,
+    and then calls a policy's update once per element. The callee's scope is read from its mangled name, so
+    template arguments from a clone do not hide a shared function."""
     calls: dict[tuple[str, str], int] = {}
-    for clone, _, lines in functions:
-        for line in lines:
-            m = CALL.search(line)
-            if m and re.match(r"(?:\w[\w:<>, ]* )?mpf::", m.group(1)) and not CLONE.search(m.group(1)):
-                callee = re.sub(r"\(.*", "", m.group(1)).removeprefix("void ").removeprefix("auto ")
+    total = 0
+    for clone, _, lines, raw in functions:
+        for line, mangled in zip(lines, raw):
+            m = CALL.search(mangled)
+            if not m:
+                continue
+            total += 1
+            target = m.group(1).split("@")[0]
+            if MPF_SCOPE.match(target) and not MPF_LOCAL.match(target):
+                callee = line.split(" <", 1)[1].rstrip().removesuffix(">")[:160] if " <" in line else target
                 calls[(clone, callee)] = calls.get((clone, callee), 0) + 1
-    return calls
+    return calls, total
 
 
 def register_use(functions) -> dict[tuple[str, str], dict[str, int]]:
     """(clone, function) -> instruction count and counts of those naming ymm / zmm registers."""
     use: dict[tuple[str, str], dict[str, int]] = {}
-    for clone, name, lines in functions:
+    for clone, name, lines, _ in functions:
         fn = next((h for h in HOT_LOOPS if h in name), CLONE.search(name).group(2))
         n = use.setdefault((clone, fn), {"insns": 0, "ymm": 0, "zmm": 0})
         n["insns"] += len(lines)
@@ -93,7 +108,7 @@ def check(so_path: str) -> list[str]:
     use = register_use(functions)
     problems = []
     for fn in HOT_LOOPS:
-        for clone in ("avx2", "avx512"):  # the baseline one may be inlined into its caller
+        for clone in ("avx2", "avx512"):  # the baseline clone's loops may be inlined into their callers
             if (clone, fn) not in use:
                 problems.append(f"{clone}::{fn} not found in {so_path}")
         if use.get(("avx512", fn), {}).get("zmm", 0) == 0:
@@ -106,8 +121,12 @@ def check(so_path: str) -> list[str]:
     for (clone, policy), n in sorted(muls.items()):
         if n == 0:
             problems.append(f"{clone}: the {policy} update has no packed multiply: its loop did not vectorise")
-    for (clone, callee), n in sorted(shared_calls(functions).items()):
-        problems.append(f"{clone}: {n} out-of-line call(s) to the shared {callee}: it must be inlined (MPF_HD)")
+    calls, total = shared_calls(functions)
+    if total == 0:
+        problems.append("no call instruction found in the clones: objdump's output was not understood")
+    for (clone, callee), n in sorted(calls.items()):
+        problems.append(f"{clone}: {n} out-of-line call(s) to {callee}, a function of namespace mpf outside the "
+                        "clones (csrc/core's MPF_HD functions must be inlined)")
     for (clone, fn), n in sorted(use.items()):
         if clone != "avx512" and n["zmm"]:
             problems.append(f"{clone}::{fn} uses zmm registers ({n['zmm']} instructions)")
