@@ -23,7 +23,7 @@ int main() {
     grad[i] = float_to_f16_bits(dist(rng) * 1024.f);
   }
   float step = 0.f, inv = 1.f / 1024.f, found = 0.f, lr_dev = 1e-3f;
-  OptimTensor t{param.data(), grad.data(), master.data(), {m.data(), v.data(), vmax.data()}, &step, n, DType::kFloat16};
+  OptimTensor t{param.data(), grad.data(), master.data(), {m.data(), v.data(), vmax.data()}, &step, n, DType::kFloat16, nullptr, 0};
   OptimArgs a{};
   a.kind = OptimKind::kAdam;
   a.tensors = &t;
