@@ -4,12 +4,9 @@
 // path isa.h selects.
 #include "../kernels.h"
 #include "isa.h"
+#include "optim_paths.h"
 
 namespace mpf {
-
-void optim_step_baseline(const OptimArgs& args, int num_threads);
-void optim_step_avx2(const OptimArgs& args, int num_threads);
-void optim_step_avx512(const OptimArgs& args, int num_threads);
 
 void optim_step_cpu(const OptimArgs& args, int num_threads) {
   if (args.found_inf && *args.found_inf != 0.f) return;  // skipped: params, state and steps untouched
