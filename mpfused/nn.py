@@ -40,7 +40,6 @@ def _query_gemm(device: torch.device, dtype: torch.dtype) -> str:
 _GEMM_UNSUPPORTED: dict = {}  # (device, dtype) -> _query_gemm's answer
 
 
-@torch.compiler.assume_constant_result
 def _gemm_unsupported(device: torch.device, dtype: torch.dtype) -> str:
     """Empty when mpfused's GEMM runs ``dtype`` inputs on ``device``, else the reason (BF16 below sm_80, or
     a build without an sm_80+ BF16 kernel). Asked once per device and dtype; the first time the answer is
@@ -56,6 +55,12 @@ def _gemm_unsupported(device: torch.device, dtype: torch.dtype) -> str:
             warnings.warn(f"FusedLinear on {device} with {dtype} inputs computes with torch's matmul (F.linear) and "
                           f"the activation instead of mpfused's fused GEMM: {reason}", RuntimeWarning, stacklevel=2)
     return reason
+
+
+# A constant under torch.compile: what ``torch.compiler.assume_constant_result`` does (tests/test_compile.py
+# checks that it sets this one attribute and nothing else), without the decorator's import of torch._dynamo,
+# which would add 1.4 s to every ``import mpfused`` (tests/test_build.py checks that it does not).
+_gemm_unsupported._dynamo_marked_constant = True
 
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

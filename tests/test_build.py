@@ -36,6 +36,14 @@ def test_python_dash_m_prints_build_info():
     assert "torch_version" in out and torch.__version__ in out and "openmp" in out
 
 
+def test_import_loads_no_compiler_stack():
+    """``import mpfused`` costs little more than ``import torch``: nothing of torch.compile (torch._dynamo,
+    1.4 s to import) or inductor is imported until the user compiles."""
+    code = "import sys, mpfused; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_import_against_another_torch_fails_with_a_clear_message():
     # Pretend the installed torch is another release: the import must refuse before loading _C.
     code = textwrap.dedent(

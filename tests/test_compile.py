@@ -14,6 +14,8 @@ masters, optimizer state, grad norms, the scale and the skipped steps) bit for b
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,6 +104,39 @@ def test_fused_linear_under_autocast_compiles_whole(device):
 
     assert graph_breaks(fwd, x) == 0
     assert torch.equal(fwd(x), torch.compile(fwd, fullgraph=True)(x))
+
+
+def test_gemm_support_query_is_a_constant_under_compile(monkeypatch):
+    """FusedLinear asks once per device and dtype whether mpfused's GEMM runs there (mpfused.nn). Under
+    torch.compile that answer must be a constant computed at trace time: the real query calls into the
+    extension, which dynamo cannot trace. The query here calls a builtin of C (as the real one does), so
+    fullgraph=True fails unless the function is marked constant, as torch's decorator marks it."""
+    from mpfused import nn as mnn
+
+    def marked():
+        return None
+
+    torch.compiler.assume_constant_result(marked)
+    assert vars(marked) == {"_dynamo_marked_constant": True}, "torch's constant marker changed; see mpfused/nn.py"
+    assert vars(mnn._gemm_unsupported).items() >= vars(marked).items()
+
+    calls = []
+
+    def query(device, dtype):
+        calls.append((device, dtype))
+        return "no kernel" + sys.intern("")
+
+    monkeypatch.setattr(mnn, "_query_gemm", query)
+    monkeypatch.setattr(mnn, "_GEMM_UNSUPPORTED", {})
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        return x + len(mnn._gemm_unsupported(x.device, torch.bfloat16))
+
+    with pytest.warns(RuntimeWarning, match="computes with torch's matmul"):
+        out = f(torch.zeros(2))
+    assert torch.equal(out, torch.full((2,), 9.0)) and calls == [(torch.device("cpu"), torch.bfloat16)]
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 10.0)) and len(calls) == 1
 
 
 def test_gemm_compiles_with_its_epilogue(device):
