@@ -46,9 +46,10 @@ REPORT = "import mpfused; print(mpfused.build_info()['cpu_isa'])"
 
 @pytest.mark.parametrize("isa", [path_param(p) for p in PATHS])
 def test_forced_path_is_reported(isa):
-    assert run_python(REPORT, isa).stdout.strip() == isa
-    shown = run_python("import runpy; runpy.run_module('mpfused', run_name='__main__')", isa).stdout
-    assert any(line.split() == ["cpu_isa", isa] for line in shown.splitlines()), shown
+    # build_info(), then `python -m mpfused`, in one process (each import of torch costs seconds)
+    lines = run_python(REPORT + "; import runpy; runpy.run_module('mpfused', run_name='__main__')", isa).stdout.splitlines()
+    assert lines[0].strip() == isa
+    assert any(line.split() == ["cpu_isa", isa] for line in lines[1:]), lines
 
 
 @pytest.mark.parametrize("value", [None, "auto", ""])
@@ -172,9 +173,15 @@ def assert_bitwise_equal(x, y, key):
         assert torch.equal(xb[~nan], yb[~nan]), f"{key}: results differ between CPU paths"
 
 
+@pytest.fixture(scope="module")
+def scalar_results(tmp_path_factory):
+    """The scalar path's results, computed once for every path compared with them."""
+    return kernel_results("scalar", tmp_path_factory.mktemp("isa") / "scalar.pt")
+
+
 @pytest.mark.parametrize("isa", [path_param(p) for p in PATHS[1:]])
-def test_kernels_bit_identical_to_scalar_path(isa, tmp_path):
-    ref = kernel_results("scalar", tmp_path / "scalar.pt")
+def test_kernels_bit_identical_to_scalar_path(isa, scalar_results, tmp_path):
+    ref = scalar_results
     got = kernel_results(isa, tmp_path / f"{isa}.pt")
     assert ref.keys() == got.keys()
     for key in ref:
