@@ -35,10 +35,19 @@ AdamW          ``FusedAdamW.step()`` with ``grad_scale`` =  ``_amp_foreach_non_f
 host overhead  ``step()`` on 300 one-element tensors: FP32,  ``torch.optim.AdamW(fused=True)`` on the same; the
                FP16 O2, and FP16 without masters with       stochastic row against the nearest one (goal (i))
                ``rounding`` "nearest" and "stochastic"
+overhead of    ``step()`` on one one-element FP32 tensor      ``torch.optim.AdamW(fused=True)`` on the same
+one tensor     (overhead-1), and the same with a new lr
+               object every step, as an lr scheduler sets
+               it (overhead-1-lr)
 SR FP16/BF16   ``FusedAdamW(master_weights=False,           the same step with ``rounding="nearest"`` (the
                rounding="stochastic").step()``              anchor: what stochastic rounding costs)
 remainder BF16 ``FusedAdamW(master_weights="remainder")``   ``FusedAdamW(master_weights=True)``: FP32 masters
 ============== ============================================ ==================================================
+
+The host-overhead sections time 50 consecutive steps per sample and report the time per step: the
+steady state of a small model's training loop, whose caches hold the optimizer's code and state between
+steps. (A single step right after the roof probe has emptied every cache costs several times more, for
+torch's optimizer and ours alike, and varies more than the difference between them.)
 
 A fused torch variant that raises is reported as "n/a" with the reason. Hyperparameters: lr 1e-3, betas
 (0.9, 0.999), eps 1e-8, AdamW weight decay 1e-2, SGD momentum 0.9; one param group.
@@ -89,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import re
 import sys
@@ -107,6 +117,7 @@ from .harness import (
     GB,
     RoofProbe,
     Roofs,
+    Timing,
     count_cuda_kernels,
     cpu_busy_fraction,
     json_path,
@@ -135,6 +146,8 @@ DEFAULT_TENSORS = 300
 DEFAULT_PARAMS = {"cpu": 50_000_000, "cuda": 200_000_000}
 QUICK_PARAMS = 2_000_000
 OVERHEAD_TENSORS = 300
+OVERHEAD_BURST = 50  # steps per timed call in the host-overhead sections (Section.steps_per_call)
+OVERHEAD_ONE, OVERHEAD_ONE_LR = "overhead-1", "overhead-1-lr"  # step() on one tensor: fixed lr, a new one each step
 
 # Traffic models, bytes per param (see the module docstring).
 BYTES_FP32_ADAM = 28
@@ -156,7 +169,7 @@ LION_LR = 1e-4
 LION_BETAS = (0.9, 0.99)
 
 SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "sr-fp16", "sr-bf16", "remainder",
-            "overhead")
+            "overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR)
 LOW_PRECISION = {"o2-fp16": ("FP16", torch.float16), "o2-bf16": ("BF16", torch.bfloat16)}
 SR_SECTIONS = {"sr-fp16": ("FP16", torch.float16), "sr-bf16": ("BF16", torch.bfloat16)}
 
@@ -287,6 +300,9 @@ class Section:
     methods: list[Method]
     anchors: list[str]
     notes: list[str] = field(default_factory=list)
+    # consecutive steps in one timed call (the host-overhead sections: a training loop's steady state, not
+    # one step after the roof probe has emptied the caches); times and step counts are reported per step
+    steps_per_call: int = 1
 
 
 def fp32_section(key: str, sizes: list[int], device: torch.device) -> Section:
@@ -603,6 +619,7 @@ def overhead_section(device: torch.device) -> Section:
             opt.grad_scale = scalar(1.0, device)
             opt.found_inf = scalar(0.0, device)
         name = f"mpfused FusedAdamW.step() {label}" + (" (grad_scale, found_inf)" if label != "FP32" else "")
+        name = OVERHEAD_OURS if label == "FP32" else name
         methods.append(method(name, "mpfused", opt.step, BYTES_FP32_ADAM, step_count=first_step(opt),
                               finite_tensors=lambda params=params: list(params)))
     for name, rounding in ((OVERHEAD_NEAREST, "nearest"), (OVERHEAD_SR, "stochastic")):
@@ -623,7 +640,46 @@ def overhead_section(device: torch.device) -> Section:
                               anchor=ANCHOR_FUSED, step_count=first_step(topt),
                               finite_tensors=lambda: list(params)))
     return Section("overhead", f"Host overhead: step() on {OVERHEAD_TENSORS} one-element tensors", "not bandwidth",
-                   OVERHEAD_TENSORS, OVERHEAD_TENSORS, methods, [ANCHOR_FUSED])
+                   OVERHEAD_TENSORS, OVERHEAD_TENSORS, methods, [ANCHOR_FUSED], steps_per_call=OVERHEAD_BURST)
+
+
+OVERHEAD_OURS = "mpfused FusedAdamW.step() FP32"
+OVERHEAD_TORCH = "torch.optim.AdamW(fused=True) FP32"
+
+
+def with_new_lr(opt: torch.optim.Optimizer) -> Callable[[], object]:
+    """``opt.step`` after setting its lr to a new float object, as an lr scheduler does before every step
+    (the value alternates between two, so the numbers stay those of a fixed lr)."""
+    group = opt.param_groups[0]
+    count = itertools.count()
+
+    def step() -> object:
+        group["lr"] = LR * (1.0 + (next(count) % 2) * 1e-6)
+        return opt.step()
+
+    return step
+
+
+def overhead_one_section(device: torch.device, new_lr: bool) -> Section:
+    """Per-step cost on a one-tensor model: each step() is its host work and one tiny update; with
+    ``new_lr``, the lr is set anew before every step, as a scheduler does."""
+    how = (lambda opt: with_new_lr(opt)) if new_lr else (lambda opt: opt.step)
+    params = make_params(randn_list([1], device, SEED), randn_list([1], device, SEED + 1, std=GRAD_STD))
+    opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    methods = [method(OVERHEAD_OURS, "mpfused", how(opt), BYTES_FP32_ADAM, step_count=first_step(opt),
+                      finite_tensors=lambda: list(params))]
+    reason = torch_fused_reason(torch.optim.AdamW, device)
+    if reason:
+        methods.append(method(OVERHEAD_TORCH, "torch", None, BYTES_FP32_ADAM, anchor=ANCHOR_FUSED, na_reason=reason))
+    else:
+        tparams = make_params(randn_list([1], device, SEED), randn_list([1], device, SEED + 1, std=GRAD_STD))
+        topt = torch.optim.AdamW(tparams, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        methods.append(method(OVERHEAD_TORCH, "torch", how(topt), BYTES_FP32_ADAM, anchor=ANCHOR_FUSED,
+                              step_count=first_step(topt), finite_tensors=lambda: list(tparams)))
+    title = "Host overhead: step() on one one-element tensor" + (", a new lr every step (as a scheduler sets)"
+                                                                   if new_lr else ", fixed lr")
+    return Section(OVERHEAD_ONE_LR if new_lr else OVERHEAD_ONE, title, "not bandwidth", 1, 1, methods, [ANCHOR_FUSED],
+                   steps_per_call=OVERHEAD_BURST)
 
 
 # ---- other processes during a section ------------------------------------------------------------------
@@ -678,6 +734,8 @@ def bytes_needed(key: str, params: int, with_apex: bool) -> int:
         "sr-bf16": 2 + 2 * 20 + 4,
         "remainder": 2 + 22 + 24 + 4,  # shared grads; param, remainder, moments; param, master, moments
         "overhead": 0,
+        OVERHEAD_ONE: 0,
+        OVERHEAD_ONE_LR: 0,
     }[key]
     return per_param * params
 
@@ -769,9 +827,12 @@ def measure_section(section: Section, args: argparse.Namespace, probe: RoofProbe
     for m in live:  # the first step creates the optimizer state (lazily, like torch): never timed
         m.fn()
     synchronize_all(device)
-    repeats = max(args.repeats, 20) if section.key == "overhead" else args.repeats
-    read, copy, *timings = time_interleaved([probe.read, probe.copy] + [m.fn for m in live], device,
-                                            warmup=args.warmup, repeats=repeats, max_seconds=args.max_seconds)
+    repeats = max(args.repeats, 20) if section.key.startswith("overhead") else args.repeats
+    burst = section.steps_per_call
+    fns = [m.fn if burst == 1 else (lambda fn=m.fn: [fn() for _ in range(burst)]) for m in live]
+    read, copy, *timings = time_interleaved([probe.read, probe.copy] + fns, device, warmup=args.warmup,
+                                            repeats=repeats, max_seconds=args.max_seconds)
+    timings = [Timing(tuple(s / burst for s in t.samples_s)) for t in timings]
     others_busy = load.stop()
     roofs = probe.roofs(read, copy)
     timing_of = {id(m): t for m, t in zip(live, timings)}
@@ -802,6 +863,7 @@ def measure_section(section: Section, args: argparse.Namespace, probe: RoofProbe
                 "kernels_per_step": kernels_of[id(m)],
                 "calls": m.calls[0],
                 "step_count": steps,
+                "steps_per_call": burst,
                 "steps_match_calls": None if steps is None else steps == m.calls[0],
                 "found_inf_after": flags,
                 "finite_after": all_finite(m.finite_tensors()),
@@ -822,7 +884,7 @@ def fmt_x(x: Optional[float]) -> str:
 def print_section(section_records: list[dict], roofs: Roofs, device: torch.device, anchors: list[str],
                   title: str, model: str) -> None:
     on_cuda = device.type == "cuda"
-    overhead = section_records[0]["section"] == "overhead"
+    overhead = section_records[0]["section"].startswith("overhead")
     columns = ["method", "median ms", "IQR ms", "n"]
     if overhead:
         columns += ["us/tensor"]
@@ -857,6 +919,9 @@ def print_section(section_records: list[dict], roofs: Roofs, device: torch.devic
         rows.append(row)
     numeric = [False] + [True] * (len(columns) - 1)
     where = "" if overhead else f"; {params / 1e6:.1f}M params in {section_records[0]['tensors']} tensors; {model}"
+    burst = next((r["steps_per_call"] for r in section_records if r["available"]), 1)
+    if burst > 1:
+        where += f" (each sample: {burst} consecutive steps, per step)"
     print_table(f"{title} on {device.type}: median of n timed steps{where}", columns, rows, numeric)
 
 
@@ -928,6 +993,9 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
         sr, nearest = find(records, key, sr_name), find(records, key, nearest_name)
         ratio = None if sr is None or nearest is None else sr["timing"]["median_s"] / nearest["timing"]["median_s"]
         add_goal("(i)", key, ratio, "{:.3f}", missing(key))
+    for key in ("overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR):
+        x, na = speedup(key, OVERHEAD_OURS, ANCHOR_FUSED)
+        add_goal("(j)", key, x, "{:.2f}x", na)
     rem, masters = find(records, "remainder", OURS_REMAINDER), find(records, "remainder", OURS_MASTERS)
     add("remainder step time / FP32-master step time (BF16 AdamW)", "remainder",
         None if rem is None or masters is None else rem["timing"]["median_s"] / masters["timing"]["median_s"],
@@ -1032,8 +1100,10 @@ def main() -> None:
             section = o2_section(key, sizes, device)
         elif key in SR_SECTIONS or key == "remainder":
             section = precision_section(key, sizes, device)
-        else:
+        elif key == "overhead":
             section = overhead_section(device)
+        else:
+            section = overhead_one_section(device, new_lr=key == OVERHEAD_ONE_LR)
         roofs_by_section[key], of_section = measure_section(section, args, probe)
         records += of_section
         sections_meta[key] = (section.anchors, section.title, section.model, section.notes)
@@ -1051,7 +1121,7 @@ def main() -> None:
         warn_if_busy(of_section[0]["others_busy_during_section"], "while this section was timed")
     checks_ok = print_checks(records)
     ours_fp32 = find(records, "adamw", OURS_ADAMW)
-    overhead = find(records, "overhead", "mpfused FusedAdamW.step() FP32")
+    overhead = find(records, "overhead", OVERHEAD_OURS)
     if ours_fp32 and overhead:
         share = overhead["timing"]["median_s"] / ours_fp32["timing"]["median_s"]
         print_text(f"host overhead of FusedAdamW.step() with {OVERHEAD_TENSORS} tensors: "

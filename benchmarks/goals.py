@@ -100,6 +100,11 @@ GOALS: tuple[Goal, ...] = (
          "{:.3f}", "cpu",
          "the same 22 B/param of traffic; stochastic rounding adds a Philox4x32-10 block per four elements "
          "(vectorised, philox_blocks.inc), which must hide behind the memory traffic to within 10%", scope="CPU"),
+    Goal("optim", "(j)", "host overhead: FusedAdamW.step() vs torch fused AdamW (one-element tensors)", ">=", 1.0,
+         "{:.2f}x", "any",
+         "on a small model a step is host time: torch's fused AdamW is one generated binding and one kernel; "
+         "ours must cost no more, per step (one tensor, with a fixed lr or a scheduler's new one each step) "
+         "and per tensor (300 tensors)"),
     # ---- bench_scaler.py: GradScaler + FusedAdamW iteration with clipping ---------------------------------
     Goal("scaler", "(a)", "ours vs torch O2 iteration (FP32 masters, clip)", ">=", 1.5, "{:.1f}x", "any",
          "torch's O2 iteration moves 60 B/param where ours moves 36 (bench_scaler's traffic models): 1.67x, "

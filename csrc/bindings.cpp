@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -93,6 +94,13 @@ std::string gemm_unsupported(const std::string& dtype, int64_t index) {
 #endif
 }
 
+// A torch.Tensor or torch.nn.Parameter itself, not a subclass (one that may override __torch_function__).
+bool plain_tensor(PyObject* o) {
+  static PyObject* const parameter = pybind11::object(pybind11::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+         Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter);
+}
+
 // FusedOptimizer.step()'s planned path (mpfused/optim/_base.py): None unless every grads[i] is a plain
 // torch.Tensor (or Parameter) that goes with params[i], a plain one too, as optim_step_ takes them
 // (grad_pairs), and every state entry given goes with its param as optim_step_ checks it: `beside` holds
@@ -102,11 +110,7 @@ std::string gemm_unsupported(const std::string& dtype, int64_t index) {
 // made in. One pass in C++ (tens of ns a tensor), before any kernel call writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
                              const pybind11::list& remainders, const pybind11::list& steps) {
-  static PyObject* const parameter = pybind11::object(pybind11::module_::import("torch.nn").attr("Parameter")).release().ptr();
-  const auto plain_type = [](PyObject* o) {
-    return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
-           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter);
-  };
+  const auto plain_type = plain_tensor;
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   const auto per_param = [n](PyObject* list) { return PyList_Check(list) && PyList_GET_SIZE(list) == n; };
   if (!per_param(grads.ptr()) || !per_param(remainders.ptr()) || !per_param(steps.ptr())) return pybind11::none();
@@ -149,6 +153,97 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
 
+// Which of the policy's states (bit k: state k in optim_policies() order) a step with these hyperparameter
+// values reads and writes (a tensor hyperparameter's number is ignored: no state depends on one). The
+// operator checks and touches only those; the planned path checks only those too.
+int64_t optim_state_mask(const std::string& policy, const std::vector<double>& hyper) {
+  mpf::OptimKind kind;
+  if (!mpf::optim_kind(policy.c_str(), &kind)) fail("unknown optimizer policy '" + policy + "'");
+  int64_t mask = 0;
+  mpf::dispatch_optim(kind, [&](auto p) {
+    using P = decltype(p);
+    if (hyper.size() != static_cast<size_t>(P::kNumHyper))
+      fail("hyper must have " + std::to_string(P::kNumHyper) + " values, got " + std::to_string(hyper.size()));
+    double values[mpf::kMaxHyper] = {};
+    std::copy(hyper.begin(), hyper.end(), values);
+    mask = P::state_mask(P::flags(P::make(values)));
+  });
+  return mask;
+}
+
+// FusedOptimizer.step()'s planned path (_StepPlan.match): whether each state dict in `states` (or None: a
+// param without state) still holds under each of `names` the very object that `expected[j][i]` holds (None:
+// no entry), as it did when the plan was made. Identity only; no object is compared by value.
+bool same_entries(const pybind11::list& states, const pybind11::tuple& names, const pybind11::list& expected) {
+  const Py_ssize_t n = PyList_GET_SIZE(states.ptr()), k = PyTuple_GET_SIZE(names.ptr());
+  if (PyList_GET_SIZE(expected.ptr()) != k) return false;
+  for (Py_ssize_t j = 0; j < k; ++j) {
+    PyObject* const column = PyList_GET_ITEM(expected.ptr(), j);
+    if (!PyList_Check(column) || PyList_GET_SIZE(column) != n) return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const state = PyList_GET_ITEM(states.ptr(), i);
+    if (state != Py_None && !PyDict_CheckExact(state)) return false;
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      PyObject* entry = nullptr;
+      if (state != Py_None) {
+        entry = PyDict_GetItemWithError(state, PyTuple_GET_ITEM(names.ptr(), j));  // borrowed
+        if (!entry && PyErr_Occurred()) throw pybind11::error_already_set();
+      }
+      if ((entry ? entry : Py_None) != PyList_GET_ITEM(PyList_GET_ITEM(expected.ptr(), j), i)) return false;
+    }
+  }
+  return true;
+}
+
+// FusedOptimizer.step()'s planned path in eager mode (mpfused._ops.optim_step_direct): torch.ops.mpfused.optim_step_
+// with OptimCall.args, called through the dispatcher from here (autograd's version counters, the profiler,
+// dispatch modes, the CPU or CUDA kernel: as through torch.ops), without torch.ops' generic conversion of each
+// Python argument to its schema type, which costs ~11 us a call for this schema's 25 arguments, more than the
+// rest of a one-tensor step (torch's own operators have generated bindings for the same reason). That
+// conversion also hands a tensor subclass's __torch_function__ the call: so where a scalar argument is not
+// a plain tensor, this returns false having done nothing, and the caller goes through torch.ops (the params,
+// grads and state of a plan are plain: step_layout checks them; the caller checks for torch function modes).
+bool optim_step_call(const std::string& policy, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& masters, const std::vector<int64_t>& master_index,
+                     const std::vector<at::Tensor>& remainders, const std::vector<int64_t>& remainder_index,
+                     const std::vector<at::Tensor>& states, const std::vector<int64_t>& state_index,
+                     const std::vector<at::Tensor>& steps, const std::vector<int64_t>& step_index, double lr,
+                     pybind11::handle lr_tensor, const std::vector<double>& hyper, const pybind11::list& hyper_tensors,
+                     pybind11::handle inv_scale, pybind11::handle grad_scale, pybind11::handle clip_sumsq, double max_norm,
+                     pybind11::handle found_inf, pybind11::handle counter, bool write_grad, const std::string& rounding,
+                     int64_t seed, const std::vector<int64_t>& sr_offsets) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mpfused::optim_step_", "")
+          .typed<void(c10::string_view, at::TensorList, at::TensorList, at::TensorList, at::IntArrayRef, at::TensorList,
+                      at::IntArrayRef, at::TensorList, at::IntArrayRef, at::TensorList, at::IntArrayRef, double,
+                      const std::optional<at::Tensor>&, at::ArrayRef<double>, const c10::List<std::optional<at::Tensor>>&,
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                      double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, c10::string_view,
+                      int64_t, at::IntArrayRef)>();
+  bool plain = true;
+  const auto tensor = [&plain](pybind11::handle o) -> std::optional<at::Tensor> {
+    if (o.is_none()) return std::nullopt;
+    if (!plain_tensor(o.ptr())) {
+      plain = false;
+      return std::nullopt;
+    }
+    return THPVariable_Unpack(o.ptr());
+  };
+  c10::List<std::optional<at::Tensor>> hyper_list;
+  hyper_list.reserve(hyper_tensors.size());
+  for (const pybind11::handle t : hyper_tensors) hyper_list.push_back(tensor(t));
+  const std::optional<at::Tensor> lr_t = tensor(lr_tensor), inv_t = tensor(inv_scale), scale_t = tensor(grad_scale),
+                                  clip_t = tensor(clip_sumsq), found_t = tensor(found_inf), counter_t = tensor(counter);
+  if (!plain) return false;
+  const pybind11::gil_scoped_release no_gil;
+  op.call(policy, params, grads, masters, master_index, remainders, remainder_index, states, state_index, steps, step_index,
+          lr, lr_t, hyper, hyper_list, inv_t, scale_t, clip_t, max_norm, found_t, counter_t, write_grad, rounding, seed,
+          sr_offsets);
+  return true;
+}
+
 pybind11::dict build_info() {
   pybind11::dict d;
   d["version"] = MPFUSED_VERSION;
@@ -185,5 +280,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("remainders"), pybind11::arg("steps"),
         "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
         "layouts as bytes.");
+  m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
+        "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
+  m.def("same_entries", &same_entries, pybind11::arg("states"), pybind11::arg("names"), pybind11::arg("expected"),
+        "Whether each state dict holds under each name the object expected (identity).");
+  m.def("optim_step_call", &optim_step_call,
+        "torch.ops.mpfused.optim_step_ through the dispatcher, positional arguments; False (nothing done) where a "
+        "scalar argument is a tensor subclass.");
   m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
 }

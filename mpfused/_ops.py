@@ -194,12 +194,6 @@ def borrowed_counter(store: dict, device: torch.device) -> Optional[torch.Tensor
     return counter
 
 
-def _lr_args(lr):
-    if isinstance(lr, torch.Tensor):
-        return 0.0, lr
-    return float(lr), None
-
-
 _POLICIES = {name: dict(spec) for name, spec in dict(_C.optim_policies()).items()}
 
 
@@ -249,47 +243,117 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
     ``seed`` (an int in [0, 2^64)), the step number being that param's step count after this step (read on
     the device: ``steps[i]`` is then required for every 16-bit param without a remainder).
     Validates everything before writing anything; never syncs the host with the device."""
-    spec = _POLICIES.get(policy)
-    if spec is None:
-        raise ValueError(f"unknown optimizer policy {policy!r}; expected one of {sorted(_POLICIES)}")
-    names = spec["hyper"]
-    if set(hyper) != set(names):
-        raise ValueError(f"hyper for {policy!r} must give exactly {names}; missing {sorted(set(names) - set(hyper))}, "
-                         f"unknown {sorted(set(hyper) - set(names))}")
-    unknown = set(states) - set(spec["states"])
-    if unknown:
-        raise ValueError(f"unknown states for {policy!r}: {sorted(unknown)} (expected some of {spec['states']})")
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"Invalid rounding: {rounding!r} (expected 'nearest' or 'stochastic')")
-    seed = u64_arg(seed, "seed")
-    sr_offsets = list(sr_offsets)
-    if not (sr_offsets and set(map(type, sr_offsets)) == {int} and min(sr_offsets) >= 0 and max(sr_offsets) < 1 << 63):
-        # (the common case above is already the operator's int64: Python ints below 2^63, unchanged)
-        sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
-    values = [0.0 if isinstance(hyper[n], torch.Tensor) else float(hyper[n]) for n in names]
-    tensors = [hyper[n] if isinstance(hyper[n], torch.Tensor) else None for n in names]
-    lr_value, lr_tensor = _lr_args(lr)
-    params, grads = list(params), list(grads)  # the operator checks every tensor (and says which)
-    n = len(params)
-    masters, master_index = _indexed(masters, "masters", n)
-    remainders, remainder_index = _indexed(remainders, "remainders", n)
-    steps, step_index = _indexed(steps, "steps", n)
-    state_tensors, state_index = [], []
-    for name in spec["states"]:
-        given, index = _indexed(states.get(name, ()), name, n)
-        if not index:
-            state_index += [-1] * n
-        elif len(given) == n:  # every param has it: positions in order
-            state_index += range(len(state_tensors), len(state_tensors) + n)
+    OptimCall(policy, params, masters, states, steps, remainders=remainders, rounding=rounding, seed=seed,
+              sr_offsets=sr_offsets)(grads, lr=lr, hyper=hyper, inv_scale=inv_scale, grad_scale=grad_scale,
+                                     clip_sumsq=clip_sumsq, max_norm=max_norm, found_inf=found_inf, counter=counter,
+                                     write_grad=write_grad)
+
+
+def hyper_args(policy: str, hyper: dict) -> tuple:
+    """``hyper`` (every hyperparameter of ``policy`` by name: a number, or a one-element tensor where the
+    policy takes one) as optim_step_'s schema takes it: the numbers (0.0 for a tensor), and the tensors
+    (empty when none)."""
+    names = _POLICIES[policy]["hyper"]
+    if len(hyper) != len(names) or not all(map(hyper.__contains__, names)):
+        raise ValueError(f"hyper for {policy!r} must give exactly {names}; missing "
+                         f"{sorted(set(names) - set(hyper))}, unknown {sorted(set(hyper) - set(names))}")
+    values = [hyper[n] for n in names]
+    tensors = [v if isinstance(v, torch.Tensor) else None for v in values]
+    if all(map(operator.is_, tensors, repeat(None))):
+        return [float(v) for v in values], []
+    return [0.0 if t is not None else float(v) for v, t in zip(values, tensors)], tensors
+
+
+# optim_step_'s schema positions of what changes from step to step (OptimCall.args fills them)
+_GRADS, _LR, _LR_TENSOR, _HYPER, _HYPER_TENSORS, _SCALARS, _COUNTER, _WRITE_GRAD = 2, 11, 12, 13, 14, 15, 20, 21
+
+
+class OptimCall:
+    """``optim_step_`` in two halves: the arguments that a training loop repeats from step to step (the
+    policy, the params, their masters, remainders, states and step counters, the rounding, the seed and
+    the offsets), turned into the operator's schema types once, here; and those of one step (the grads,
+    lr, hyperparameters and the scaler's values), given to :meth:`__call__` (see ``optim_step_`` for the
+    meaning of each). FusedOptimizer.step() keeps one per param group while the group's structure holds.
+    The operator checks every tensor of every call, before it writes anything."""
+
+    __slots__ = ("_args",)
+
+    def __init__(self, policy: str, params, masters, states: dict, steps, *, remainders=(), rounding: str = "nearest",
+                 seed: int = 0, sr_offsets=()) -> None:
+        spec = _POLICIES.get(policy)
+        if spec is None:
+            raise ValueError(f"unknown optimizer policy {policy!r}; expected one of {sorted(_POLICIES)}")
+        unknown = set(states) - set(spec["states"])
+        if unknown:
+            raise ValueError(f"unknown states for {policy!r}: {sorted(unknown)} (expected some of {spec['states']})")
+        if rounding not in _ROUNDINGS:
+            raise ValueError(f"Invalid rounding: {rounding!r} (expected 'nearest' or 'stochastic')")
+        seed = u64_arg(seed, "seed")
+        sr_offsets = list(sr_offsets)
+        if not (sr_offsets and set(map(type, sr_offsets)) == {int} and min(sr_offsets) >= 0
+                and max(sr_offsets) < 1 << 63):
+            # (the common case above is already the operator's int64: Python ints below 2^63, unchanged)
+            sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
+        params = list(params)  # the operator checks every tensor (and says which)
+        n = len(params)
+        masters, master_index = _indexed(masters, "masters", n)
+        remainders, remainder_index = _indexed(remainders, "remainders", n)
+        steps, step_index = _indexed(steps, "steps", n)
+        state_tensors, state_index = [], []
+        for name in spec["states"]:
+            given, index = _indexed(states.get(name, ()), name, n)
+            if not index:
+                state_index += [-1] * n
+            elif len(given) == n:  # every param has it: positions in order
+                state_index += range(len(state_tensors), len(state_tensors) + n)
+            else:
+                state_index += [-1 if i < 0 else i + len(state_tensors) for i in index]
+            state_tensors += given
+        if not state_tensors:
+            state_index = []
+        self._args = [policy, params, None, masters, master_index, remainders, remainder_index, state_tensors,
+                      state_index, steps, step_index, 0.0, None, None, None, None, None, None, math.inf, None, None,
+                      False, rounding, seed, sr_offsets]
+
+    def hyper_args(self, hyper: dict) -> tuple:
+        return hyper_args(self._args[0], hyper)
+
+    def args(self, grads: list, *, lr, hyper, inv_scale=None, grad_scale=None, clip_sumsq=None,
+             max_norm: float = math.inf, found_inf=None, counter=None, write_grad: bool = False,
+             params: Optional[list] = None) -> list:
+        """The operator's positional arguments for one step. ``hyper``: a dict as optim_step_ takes it, or
+        the pair hyper_args made of one. ``params``: this step's params where they are other tensor
+        objects than those given when this call was made (a DTensor's local shard)."""
+        args = self._args.copy()
+        if params is not None:
+            args[1] = params
+        args[_GRADS] = grads
+        if isinstance(lr, torch.Tensor):
+            args[_LR_TENSOR] = lr
         else:
-            state_index += [-1 if i < 0 else i + len(state_tensors) for i in index]
-        state_tensors += given
-    if not state_tensors:
-        state_index = []
-    ops.optim_step_(policy, params, grads, masters, master_index, remainders, remainder_index, state_tensors,
-                    state_index, steps, step_index, lr_value, lr_tensor, values,
-                    tensors if any(t is not None for t in tensors) else [], inv_scale, grad_scale, clip_sumsq,
-                    float(max_norm), found_inf, counter, bool(write_grad), rounding, seed, sr_offsets)
+            args[_LR] = float(lr)
+        args[_HYPER], args[_HYPER_TENSORS] = self.hyper_args(hyper) if isinstance(hyper, dict) else hyper
+        args[_SCALARS:_SCALARS + 5] = inv_scale, grad_scale, clip_sumsq, float(max_norm), found_inf
+        args[_COUNTER] = counter
+        args[_WRITE_GRAD] = bool(write_grad)
+        return args
+
+    def __call__(self, grads, **step) -> None:
+        """One step (see ``args``), through torch.ops: what torch.compile traces, and what torch function
+        modes and tensor subclasses see."""
+        ops.optim_step_(*self.args(list(grads), **step))
+
+
+def optim_step_direct(args: list) -> None:
+    """The operator call of FusedOptimizer.step()'s planned path in eager mode: ``args`` as OptimCall.args
+    gives them, with plain tensors for params, grads and state (the plan checks them: _C.step_layout). The
+    same operator through torch's dispatcher (autograd's version counters, the profiler, dispatch modes, the
+    CPU and CUDA kernels), called from C++ (_C.optim_step_call) instead of through torch.ops' generic
+    conversion of each Python argument to its schema type, which costs more than the rest of a small
+    model's step (csrc/bindings.cpp). Where that conversion would hand the call to ``__torch_function__``
+    (a torch function mode is active, or a scalar argument is a tensor subclass), it goes through torch.ops."""
+    if torch._C._is_torch_function_mode_enabled() or not _C.optim_step_call(*args):
+        ops.optim_step_(*args)
 
 
 def _indexed(tensors, name: str, n: int) -> tuple:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from mpfused.optim._base import FusedOptimizer
@@ -166,6 +168,14 @@ def op_group_value(opt, gi, key, value):
         group[key] = value
 
 
+def op_betas_in_place(opt, gi, beta2):
+    group = opt.param_groups[gi]
+    if "betas" in group:
+        if not isinstance(group["betas"], list):
+            group["betas"] = list(group["betas"])
+        group["betas"][1] = beta2  # the same list object, another value
+
+
 def op_dtype(opt, i, dtype):
     p = [p for g in opt.param_groups for p in g["params"]][i]
     p.data = p.data.to(dtype)
@@ -247,7 +257,13 @@ OPS = st.one_of(
     st.tuples(st.just(op_step), st.integers(0, 50), st.none()),
     st.tuples(st.just(op_step), st.integers(0, 50), st.lists(st.booleans(), min_size=9, max_size=9)),
     st.tuples(st.just(op_scaled_step), st.integers(0, 50), st.booleans()),
-    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("lr"), st.sampled_from([1e-3, 0.0, 2e-2])),
+    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("lr"),
+              st.sampled_from([1e-3, 0.0, 2e-2, -1.0, 1, torch.tensor(3e-3)])),
+    # a value whose object changes, to another valid or an invalid one (a step must check it again and
+    # compute the kernel's hyperparameters anew), and betas made a list and changed in place
+    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("weight_decay"), st.sampled_from([0.0, 0.3, -0.5])),
+    st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("eps"), st.sampled_from([1e-6, float("nan")])),
+    st.tuples(st.just(op_betas_in_place), st.integers(0, 1), st.sampled_from([0.5, 0.99, 1.5])),
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("master_weights"),
               st.sampled_from([None, True, False])),  # ("remainder": BF16 only; its planned steps are tested above)
     st.tuples(st.just(op_group_value), st.integers(0, 1), st.just("rounding"),
@@ -380,6 +396,26 @@ def test_a_state_tensor_changed_in_place_in_the_second_group(how):
     assert taken == [False, True, False]
 
 
+@pytest.mark.parametrize("name, key, off", [("sgd", "momentum", 0.0), ("adam", "amsgrad", False)])
+def test_a_state_the_step_does_not_use_is_not_checked_by_the_plan(name, key, off):
+    """A state entry the step leaves alone (SGD's momentum buffer with momentum 0, Adam's max_exp_avg_sq
+    without amsgrad), made float64 in place: the operator neither reads nor checks it, so the step is
+    planned as the operator takes it, and equals the full path."""
+    a, b = pair(name, groups=1, **({"amsgrad": True} if name == "adam" else {}))
+    taken = spy_plan(a)
+    for opt in (a, b):
+        op_step(opt, 0)  # makes the state
+        opt.param_groups[0][key] = off
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        unused = state["momentum_buffer" if name == "sgd" else "max_exp_avg_sq"]
+        unused.data = unused.data.double()
+    for step in range(1, 4):
+        for opt in (a, b):
+            op_step(opt, step)
+        assert_same(snap(a), snap(b))
+    assert taken == [False, False, True, True]
+
+
 def test_params_given_as_a_tuple_take_the_full_path():
     a, b = pair("adamw")
     taken = spy_plan(a)
@@ -454,3 +490,160 @@ def test_a_grad_laid_out_unlike_its_param_goes_through_the_full_paths_copy(devic
         opt.step(scaling=StepScaling(inv_scale=torch.tensor([1.0], device=device)))  # writes the grad back
         assert p.grad.stride() == (1, 8)
     assert_same(snap(a), snap(b))
+
+
+# ---- the planned step's operator call ---------------------------------------------------------------------
+# The planned path calls torch.ops.mpfused.optim_step_ through the dispatcher from C++ (_C.optim_step_call),
+# not through torch.ops' per-argument conversion: everything torch sees of the operator must stay the same.
+def planned_adamw(device="cpu", **kw):
+    opt = FusedAdamW(make_params(device=device), lr=1e-2, weight_decay=0.1, **kw)
+    for step in range(2):
+        op_step(opt, step)
+    assert opt.__dict__.get("_mpf_plan") is not None
+    set_grads([p for g in opt.param_groups for p in g["params"]], 5)
+    return opt
+
+
+def count_direct_calls(monkeypatch):
+    """Counts the planned path's calls that _C.optim_step_call made (it returns False where it made none)."""
+    import mpfused._ops as ops_module
+    made = []
+    real = ops_module._C.optim_step_call
+
+    def counted(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(ops_module._C, "optim_step_call", counted)
+    return made
+
+
+class OpsSeen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionsSeen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_planned_call_is_the_operator_as_torch_sees_it(monkeypatch, device):
+    """Dispatch modes, the profiler and autograd's version counters see the planned path's operator call as
+    they see the full path's, and the result is the full path's."""
+    a, b = pair("adamw", device=device)
+    for step in range(2):
+        for opt in (a, b):
+            op_step(opt, step)
+    made = count_direct_calls(monkeypatch)
+    for opt in (a, b):
+        set_grads([p for g in opt.param_groups for p in g["params"]], 5)
+    versions = [[p._version for p in g["params"]] for opt in (a, b) for g in opt.param_groups]
+    with OpsSeen() as seen:
+        a.step()
+    assert made == [True, True]  # one call per group, from C++
+    assert [op for op in seen.ops if op.startswith("mpfused.")] == ["mpfused.optim_step_.default"] * 2
+    b.step()
+    after = [[p._version for p in g["params"]] for opt in (a, b) for g in opt.param_groups]
+    # the same version counters as after the full path's call through torch.ops
+    assert [[x - y for x, y in zip(u, v)] for u, v in zip(after[:2], versions[:2])] == \
+        [[x - y for x, y in zip(u, v)] for u, v in zip(after[2:], versions[2:])]
+    assert_same(snap(a), snap(b))
+    set_grads([p for g in a.param_groups for p in g["params"]], 6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a.step()
+    assert [e.name for e in prof.events()].count("mpfused::optim_step_") == 2
+    assert made == [True] * 4
+
+
+def test_a_torch_function_mode_sees_the_planned_call(monkeypatch):
+    """Where torch.ops would hand the call to __torch_function__, the planned path goes through torch.ops."""
+    opt = planned_adamw()
+    made = count_direct_calls(monkeypatch)
+    taken = spy_plan(opt)
+    with FunctionsSeen() as seen:
+        opt.step()
+    assert taken == [True] and made == []
+    assert sum(call.startswith("mpfused.optim_step_") for call in seen.calls) == 1
+
+
+class Traced(torch.Tensor):
+    """A tensor subclass that logs the functions it takes part in (as a user's wrapper might)."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("scalar", ["found_inf", "lr"])
+def test_a_subclass_scalar_sees_the_planned_call(monkeypatch, scalar):
+    a, b = (planned_adamw() for _ in range(2))
+    for opt in (a, b):
+        if scalar == "lr":
+            opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+            opt.step()  # (a tensor lr is another structure: the full path, then a new plan)
+            set_grads([p for g in opt.param_groups for p in g["params"]], 6)
+    full_path(b)
+    made = count_direct_calls(monkeypatch)
+    taken = spy_plan(a)
+    Traced.seen = []
+    for opt in (a, b):
+        if scalar == "lr":
+            opt.param_groups[0]["lr"] = torch.tensor(1e-2).as_subclass(Traced)
+            opt.step()
+        else:
+            opt.step(scaling=StepScaling(found_inf=torch.zeros(1).as_subclass(Traced)))
+    assert taken == [True] and made == [False]  # C++ declined it, having done nothing
+    # the planned call and the full path's
+    assert sum(call.startswith("mpfused.optim_step_") for call in Traced.seen) == 2
+    assert_same(snap(a), snap(b))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "one cycle"])
+def test_a_scheduled_lr_keeps_the_plan_and_is_checked_each_step(schedule):
+    """A scheduler sets a new lr object every step (OneCycleLR new betas too): the planned path takes it
+    (checking only the lr where nothing else changed), equals the full path, and refuses a bad one with
+    torch's text before writing anything."""
+    a, b = pair("adamw")
+    taken = spy_plan(a)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20) if schedule == "cosine"
+              else torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20) for opt in (a, b)]
+    for step in range(6):
+        for opt, sched in zip((a, b), scheds):
+            op_step(opt, step)
+            sched.step()
+        assert_same(snap(a), snap(b))
+    assert taken == [False] + [True] * 5
+    for opt in (a, b):
+        opt.param_groups[1]["lr"] = float("inf")
+    before = snap(a)
+    error = both(a, b, lambda opt: op_step(opt, 7))
+    assert error == (ValueError, "Invalid learning rate: inf (param group 1)")
+    assert_same(before, snap(a))
+
+
+def test_a_list_value_changed_in_place_is_checked_again():
+    """betas as a list, changed in place: the same object, another value; the step checks it again."""
+    opt = planned_adamw()
+    opt.param_groups[0]["betas"] = [0.9, 0.999]
+    op_step(opt, 3)
+    op_step(opt, 4)  # planned, with the list
+    opt.param_groups[0]["betas"][1] = 1.0
+    before = snap(opt)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.0"):
+        op_step(opt, 5)
+    assert_same(before, snap(opt))

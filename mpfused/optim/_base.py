@@ -50,8 +50,9 @@ def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_ope
                  where: str = "") -> None:
     """torch's ``Invalid <name>: <value>`` for a number outside [lo, hi] (or [lo, hi)), NaN included, and
     (stricter than torch, which would step into NaN weights) for an infinite one."""
-    if not _is_real(value):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a number, got {type(value).__name__}){where}")
+    kind = type(value)
+    if kind is not float and kind is not int and not _is_real(value):  # (the exact builtins first: step() checks
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number, got {type(value).__name__}){where}")  # these)
     if torch.compiler.is_compiling():
         # A float that changes between compiled steps (a scheduled lr) is symbolic there, and Python cannot
         # compare it; the operator checks every number it is given, before it writes anything.
@@ -253,6 +254,7 @@ class StepScaling:
                                 f"got {self.clip!r}")
 
 
+_NO_SCALING = StepScaling()
 _NO_STATE: dict = {}  # read-only: the state of a param that keeps none
 
 
@@ -277,8 +279,11 @@ def _plan_value(value):
     or an int only by whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no
     buffer), a tensor by being one (the update reads its value), a sequence element by element, a bool,
     int or str by its value, anything else by identity."""
+    kind = type(value)
+    if kind is float:
+        return "real", value == 0
     if isinstance(value, (bool, int, str)) or value is None:
-        return type(value), value
+        return kind, value
     if isinstance(value, numbers.Real):
         return "real", bool(value == 0)
     if isinstance(value, torch.Tensor):
@@ -288,16 +293,33 @@ def _plan_value(value):
     return _Same(value)
 
 
+# Types whose values cannot change in place: a group value of one of these (or a tuple of them) that is the
+# same object as at the last step needs no new check (see _GroupPlan.frozen).
+_IMMUTABLE = (float, int, bool, str, type(None))
+
+
+def _frozen(value) -> bool:
+    kind = type(value)
+    return kind in _IMMUTABLE or (kind is tuple and all(type(v) in _IMMUTABLE for v in value))
+
+
+# The group keys that are not values (the plan compares the params themselves).
+_NOT_VALUES = ("params", "param_names")
+
 # The state entries a kernel call reads, per param: the policy's states, then these.
 _PRECISION_KEYS = ("master_param", "master_remainder", "step")
 
 
+_ENTRY_NAMES = {policy: states + _PRECISION_KEYS for policy, states in _POLICY_STATES.items()}
+
+
 def _kernel_entries(policy: str, states: list) -> list:
-    """Per state key the kernel call reads (the policy's states, then _PRECISION_KEYS), the list of each
-    param's entry (None where it has none): what a plan compares by identity and _fused_step passes on."""
+    """Per state key the kernel call reads (the policy's states, then _PRECISION_KEYS: _ENTRY_NAMES), the
+    list of each param's entry (None where it has none): what a plan compares by identity (_C.same_entries)
+    and _fused_step passes on."""
     if any(map(is_, states, repeat(None))):  # a param without state (SGD without momentum), from a plan
         states = [_NO_STATE if s is None else s for s in states]
-    return [[s.get(name) for s in states] for name in _POLICY_STATES[policy] + _PRECISION_KEYS]
+    return [[s.get(name) for s in states] for name in _ENTRY_NAMES[policy]]
 
 
 def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
@@ -310,14 +332,21 @@ def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
 class _GroupPlan:
     group: dict
     params: tuple  # the group's params when the plan was made
-    signature: tuple
+    signature: tuple  # _StepPlan.signature(group), in the group's key order
     mask: Optional[tuple]  # which params had a grad; None: all of them
     layout: bytes  # _C.step_layout of the params with a grad (of their local shards: DTensors)
     states: list  # their entries in the optimizer's state (None where none)
     entries: list  # _kernel_entries of those states after the step
     local_entries: Optional[list]  # DTensors: the entries' local shards (what the kernel call takes)
+    layout_entries: list  # those the kernel call checks (a state the step does not use: None), for step_layout
     device: Optional[torch.device]
-    sr_offsets: Optional[list]
+    call: Optional[_ops.OptimCall]  # the kernel call's arguments that the plan fixes (None: no param has a grad)
+    # The group's keys and values when they were last checked, and whether every value is of a type that
+    # cannot change in place (_frozen): then the same objects need no new check.
+    keys: tuple
+    values: tuple
+    frozen: bool
+    hyper: Optional[tuple] = None  # call.hyper_args of the checked values, while they are frozen
 
 
 @dataclass
@@ -332,10 +361,13 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``) and every group's values before the first kernel call; anything else takes the full path,
-    which drops the plan first and makes a new one when it succeeds. A DTensor group (FSDP2) is planned on its local
-    shards: each grad must still be a DTensor on its param's mesh with its placements and shape, and the
-    shards pair as plain tensors do; the state DTensors' shards are the plan's while the DTensors are.
+    ``.data``) and every group's values before the first kernel call (a value that is the very object
+    last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
+    checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
+    the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
+    and makes a new one when it succeeds. A DTensor group (FSDP2) is planned on its local shards: each grad
+    must still be a DTensor on its param's mesh with its placements and shape, and the shards pair as
+    plain tensors do; the state DTensors' shards are the plan's while the DTensors are.
     Not planned: a group's params on several devices, a grad that needed a copy, torch.compile tracing.
     """
 
@@ -345,7 +377,9 @@ class _StepPlan:
 
     @staticmethod
     def signature(group: dict) -> tuple:
-        return tuple((k, _plan_value(v)) for k, v in group.items() if k not in ("params", "param_names"))
+        """Per key of the group, in its order, what of its value decides the step's structure (_plan_value;
+        None for the params and their names, which the plan compares itself)."""
+        return tuple((k, None if k in _NOT_VALUES else _plan_value(v)) for k, v in group.items())
 
     @classmethod
     def make(cls, opt: "FusedOptimizer", work: list, offsets: Optional[dict]) -> Optional["_StepPlan"]:
@@ -362,22 +396,35 @@ class _StepPlan:
             states = list(map(opt.state.get, ps))
             entries = _kernel_entries(opt._policy, states)
             local_entries = [[local(t) for t in tensors] for tensors in entries] if dtensors else None
-            layout = _step_layout(lps, lgs, local_entries or entries)
+            device = lps[0].device if ps else None
+            hyper = _ops.hyper_args(opt._policy, opt._hyper(group, device)) if ps else None
+            # The operator checks only the states the step uses (not SGD's momentum buffer without momentum):
+            # neither does the plan, or it would refuse a step the operator takes. Which ones depends only on
+            # values in the signature.
+            used = _ops._C.optim_state_mask(opt._policy, hyper[0]) if ps else 0
+            layout_entries = [tensors if k >= len(_POLICY_STATES[opt._policy]) or used >> k & 1 else [None] * len(lps)
+                              for k, tensors in enumerate(local_entries or entries)]
+            layout = _step_layout(lps, lgs, layout_entries)
             if layout is None:
                 return None
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
             # (the offsets are keyed by the tensor the kernel call sees: a DTensor's local shard)
             sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in lps]
                   if offsets is not None and group.get("rounding") == "stochastic" else None)
+            call = opt._optim_call(group, lps, local_entries or entries, sr) if ps else None
+            values = tuple(group.values())
+            frozen = all(_frozen(v) for k, v in zip(group, values) if k not in _NOT_VALUES)
             groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states, entries,
-                                     local_entries, lps[0].device if ps else None, sr))
+                                     local_entries, layout_entries, device, call, tuple(group), values, frozen,
+                                     hyper if frozen else None))
         numels = None if offsets is None else [p.numel() for g in opt.param_groups for p in g["params"]]
         return cls(opt.state, groups, numels)
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
-        """Per group (group, params with a grad, then what the kernel call takes: those params, their grads
-        and their _kernel_entries, as local shards for DTensors) when this step repeats the plan's; else
-        None."""
+        """Per group (group, its _GroupPlan, params with a grad, then what the kernel call takes: those
+        params and their grads, as local shards for DTensors, then ``changed``: None where the group's
+        values are those last checked, ("lr",) where only its lr is another object, else all its keys)
+        when this step repeats the plan's; else None."""
         if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
             return None
         state_get = opt.state.get
@@ -385,7 +432,25 @@ class _StepPlan:
         for group, gp in zip(opt.param_groups, self.groups):
             params = group["params"]
             if (group is not gp.group or type(params) is not list or len(params) != len(gp.params)
-                    or not all(map(is_, params, gp.params)) or self.signature(group) != gp.signature):
+                    or not all(map(is_, params, gp.params))):
+                return None
+            # The group's values: the same objects as last checked need neither a check nor a new signature
+            # when none can change in place; a scheduler's new lr, only its own.
+            values = tuple(group.values())
+            keys = tuple(group)
+            if keys != gp.keys or len(values) != len(gp.values):
+                return None  # (a key added or removed: another signature)
+            changed = None
+            if not gp.frozen:
+                changed = keys
+            elif not all(map(is_, values, gp.values)):
+                for k, now, then in zip(keys, values, gp.values):
+                    if now is not then and k not in _NOT_VALUES:
+                        changed = ("lr",) if changed is None and k == "lr" else keys
+            if changed is keys:
+                if self.signature(group) != gp.signature:
+                    return None
+            elif changed is not None and _plan_value(group["lr"]) != gp.signature[keys.index("lr")][1]:
                 return None
             grads = [p.grad for p in params]
             if gp.mask is None:
@@ -403,16 +468,13 @@ class _StepPlan:
                 local = _dist.local
                 lps, lgs = [local(p) for p in kps], [local(g) for g in kgrads]
             states = list(map(state_get, kps))
-            if not all(map(is_, states, gp.states)):
-                return None
-            entries = _kernel_entries(opt._policy, states)
-            if not all(all(map(is_, now, then)) for now, then in zip(entries, gp.entries)):
+            if not all(map(is_, states, gp.states)) or not _ops._C.same_entries(states, _ENTRY_NAMES[opt._policy],
+                                                                                 gp.entries):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
-            entries = entries if gp.local_entries is None else gp.local_entries
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
-            if _step_layout(lps, lgs, entries) != gp.layout:
+            if _step_layout(lps, lgs, gp.layout_entries) != gp.layout:
                 return None
-            calls.append((group, kps, lps, lgs, entries))
+            calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
             return None
         return calls
@@ -675,7 +737,9 @@ class FusedOptimizer(Optimizer):
                 loss = closure()
         if scaling is None:
             # torch.amp.GradScaler's protocol: the scale S itself and the summed found_inf, set around step()
-            scaling = StepScaling(grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
+            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            scaling = (_NO_SCALING if grad_scale is None and found_inf is None
+                       else StepScaling(grad_scale=grad_scale, found_inf=found_inf))
         elif not isinstance(scaling, StepScaling):
             raise TypeError(f"scaling must be a mpfused.optim.StepScaling or None, got {type(scaling).__name__}")
 
@@ -770,25 +834,44 @@ class FusedOptimizer(Optimizer):
         calls = plan.match(self)
         if calls is None:
             return False
-        # the checks of the full path that the plan cannot fix: the groups' values, before anything is written
-        for gi, (group, kps, *_) in enumerate(calls):
-            where = f" (param group {gi})"
-            check_precision(group, where)
-            self._check_group(group, where, in_step=True)
+        # The checks of the full path that the plan cannot fix: the groups' values (those that are not the
+        # objects last checked), and what a capturable step reads; all before anything is written.
+        hypers = []
+        for gi, (group, gp, kps, _, _, changed, _) in enumerate(calls):
+            if changed is not None:
+                where = f" (param group {gi})"
+                if changed == ("lr",):
+                    check_lr(group["lr"], where)
+                else:
+                    check_precision(group, where)
+                    self._check_group(group, where, in_step=True)
             if group.get("capturable") and kps:
-                check_capturable(group, kps, scaling, where)
+                check_capturable(group, kps, scaling, f" (param group {gi})")
+            hyper = gp.hyper
+            if gp.call is not None and (hyper is None or (changed is not None and changed != ("lr",))):
+                hyper = gp.call.hyper_args(self._hyper(group, gp.device))
+            hypers.append(hyper)
+        for (group, gp, _, _, _, changed, values), hyper in zip(calls, hypers):
+            if changed is not None:
+                gp.values = values
+                # (only the lr changed: every other value is the frozen one last checked)
+                gp.frozen = _frozen(group["lr"]) if changed == ("lr",) else \
+                    all(_frozen(v) for k, v in zip(gp.keys, values) if k not in _NOT_VALUES)
+            gp.hyper = hyper if gp.frozen else None
         clip = scaling.clip
         if clip is None:
-            clip = self._own_clip([(group, kps, gp.local_entries is not None)
-                                   for (group, kps, *_), gp in zip(calls, plan.groups)], scaling)
-        device_scalars = self._device_scalars(scaling, clip)
+            clip = self._own_clip([(group, kps, gp.local_entries is not None) for group, gp, kps, *_ in calls], scaling)
+        no_scalars = scaling is _NO_SCALING and clip is None
+        device_scalars = None if no_scalars else self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
         try:
-            for (group, _, lps, lgs, entries), gp in zip(calls, plan.groups):
-                if lps:
+            for (group, gp, kps, local_ps, lgs, _, _), hyper in zip(calls, hypers):
+                if kps:
                     device = gp.device
-                    self._fused_step(group, lps, lgs, entries, self._device_lr(group, device),
-                                     device_scalars(device), self._counter(device), write_grad, gp.sr_offsets)
+                    counter = self._counter(device) if device.type == "cuda" else None
+                    _ops.optim_step_direct(gp.call.args(lgs, lr=self._device_lr(group, device), hyper=hyper,
+                                                        counter=counter, write_grad=write_grad, params=local_ps,
+                                                        **({} if no_scalars else device_scalars(device))))
         except BaseException:
             # (nothing the plan checked can raise here; whatever did, the next step takes the full path)
             self.__dict__.pop("_mpf_plan", None)
@@ -854,6 +937,12 @@ class FusedOptimizer(Optimizer):
         (_kernel_entries). ``scalars``: the keyword arguments of ``_ops.optim_step_`` for the unscale,
         clip and skip. ``sr_offsets``: each param's stochastic-rounding offset, when the group rounds
         stochastically."""
+        self._optim_call(group, params, entries, sr_offsets)(grads, lr=lr, hyper=self._hyper(group, params[0].device),
+                                                             counter=counter, write_grad=write_grad, **scalars)
+
+    def _optim_call(self, group: dict, params: list, entries: list, sr_offsets: Optional[list]) -> _ops.OptimCall:
+        """What of the kernel call of ``group``'s ``params`` does not change while their states stay (see
+        _fused_step)."""
         names = _POLICY_STATES[self._policy]
         kernel_states = {name: tensors for name, tensors in zip(names, entries)
                          if not all(map(is_, tensors, repeat(None)))}
@@ -863,10 +952,8 @@ class FusedOptimizer(Optimizer):
             precision["remainders"] = remainders
         if group.get("rounding") == "stochastic":
             precision.update(rounding="stochastic", seed=group["seed"], sr_offsets=sr_offsets)
-        _ops.optim_step_(self._policy, params, grads, masters, kernel_states,
-                         [] if all(map(is_, steps, repeat(None))) else steps, lr=lr,
-                         hyper=self._hyper(group, params[0].device), counter=counter, write_grad=write_grad,
-                         **precision, **scalars)
+        return _ops.OptimCall(self._policy, params, masters, kernel_states,
+                              [] if all(map(is_, steps, repeat(None))) else steps, **precision)
 
     # ---- state dict ---------------------------------------------------------------------------------
     def _load_value(self, param: torch.Tensor, key, value):
