@@ -196,6 +196,35 @@ bool same_entries(const pybind11::list& states, const pybind11::tuple& names, co
   return true;
 }
 
+// The Python arguments of a direct operator call (below) as the schema's tensors: each a plain tensor (see
+// plain_tensor) or None where optional; anything else clears `ok`, and the caller then returns false having
+// called nothing (Python goes through torch.ops, which hands a subclass its __torch_function__, or raises
+// the wrapper's clear error for a wrong type).
+struct PlainArgs {
+  bool ok = true;
+  std::optional<at::Tensor> optional(pybind11::handle o) {
+    if (o.is_none()) return std::nullopt;
+    return tensor(o);
+  }
+  at::Tensor tensor(pybind11::handle o) {
+    if (!plain_tensor(o.ptr())) {
+      ok = false;
+      return {};
+    }
+    return THPVariable_Unpack(o.ptr());
+  }
+  std::vector<at::Tensor> list(pybind11::handle o) {
+    std::vector<at::Tensor> out;
+    if (!PyList_Check(o.ptr())) {
+      ok = false;
+      return out;
+    }
+    out.reserve(PyList_GET_SIZE(o.ptr()));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o.ptr()); ++i) out.push_back(tensor(PyList_GET_ITEM(o.ptr(), i)));
+    return out;
+  }
+};
+
 // FusedOptimizer.step()'s planned path in eager mode (mpfused._ops.optim_step_direct): torch.ops.mpfused.optim_step_
 // with OptimCall.args, called through the dispatcher from here (autograd's version counters, the profiler,
 // dispatch modes, the CPU or CUDA kernel: as through torch.ops), without torch.ops' generic conversion of each
@@ -222,25 +251,63 @@ bool optim_step_call(const std::string& policy, const std::vector<at::Tensor>& p
                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                       double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, c10::string_view,
                       int64_t, at::IntArrayRef)>();
-  bool plain = true;
-  const auto tensor = [&plain](pybind11::handle o) -> std::optional<at::Tensor> {
-    if (o.is_none()) return std::nullopt;
-    if (!plain_tensor(o.ptr())) {
-      plain = false;
-      return std::nullopt;
-    }
-    return THPVariable_Unpack(o.ptr());
-  };
+  PlainArgs in;
   c10::List<std::optional<at::Tensor>> hyper_list;
   hyper_list.reserve(hyper_tensors.size());
-  for (const pybind11::handle t : hyper_tensors) hyper_list.push_back(tensor(t));
-  const std::optional<at::Tensor> lr_t = tensor(lr_tensor), inv_t = tensor(inv_scale), scale_t = tensor(grad_scale),
-                                  clip_t = tensor(clip_sumsq), found_t = tensor(found_inf), counter_t = tensor(counter);
-  if (!plain) return false;
+  for (const pybind11::handle t : hyper_tensors) hyper_list.push_back(in.optional(t));
+  const std::optional<at::Tensor> lr_t = in.optional(lr_tensor), inv_t = in.optional(inv_scale),
+                                  scale_t = in.optional(grad_scale), clip_t = in.optional(clip_sumsq),
+                                  found_t = in.optional(found_inf), counter_t = in.optional(counter);
+  if (!in.ok) return false;
   const pybind11::gil_scoped_release no_gil;
   op.call(policy, params, grads, masters, master_index, remainders, remainder_index, states, state_index, steps, step_index,
           lr, lr_t, hyper, hyper_list, inv_t, scale_t, clip_t, max_norm, found_t, counter_t, write_grad, rounding, seed,
           sr_offsets);
+  return true;
+}
+
+// mpfused._ops.non_finite_check_ in eager mode, as optim_step_call: torch.ops.mpfused.non_finite_check_ (or
+// unscale_check_ with `unscale`) through the dispatcher, without torch.ops' per-argument conversion; false,
+// having called nothing, where an argument is not a plain tensor (or None where optional) or `tensors` not a list.
+bool overflow_call(bool unscale, pybind11::handle tensors, pybind11::handle found_inf, pybind11::handle inv_scale,
+                   pybind11::handle sumsq, bool overwrite, pybind11::handle norm, pybind11::handle counter) {
+  using Opt = const std::optional<at::Tensor>&;
+  static const auto check = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("mpfused::non_finite_check_", "")
+                                .typed<void(at::TensorList, const at::Tensor&, Opt, Opt, bool, Opt, Opt)>();
+  static const auto unscale_check =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mpfused::unscale_check_", "")
+          .typed<void(at::TensorList, const at::Tensor&, const at::Tensor&, Opt, bool, Opt, Opt)>();
+  PlainArgs in;
+  const std::vector<at::Tensor> list = in.list(tensors);
+  const at::Tensor found = in.tensor(found_inf);
+  const std::optional<at::Tensor> inv = in.optional(inv_scale), sums = in.optional(sumsq), n = in.optional(norm),
+                                  c = in.optional(counter);
+  if (!in.ok || (unscale && !inv)) return false;
+  const pybind11::gil_scoped_release no_gil;
+  if (unscale) unscale_check.call(list, found, *inv, sums, overwrite, n, c);
+  else check.call(list, found, inv, sums, overwrite, n, c);
+  return true;
+}
+
+// mpfused._ops.loss_scale_update_ in eager mode, as optim_step_call.
+bool loss_scale_update_call(pybind11::handle scale, pybind11::handle growth_tracker, pybind11::handle hysteresis_left,
+                            pybind11::handle skipped_steps, pybind11::handle found_inf, pybind11::handle inv_scale,
+                            double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                            double min_scale, double max_scale, bool dynamic) {
+  using T = const at::Tensor&;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mpfused::loss_scale_update_", "")
+                             .typed<void(T, T, T, T, T, const std::optional<at::Tensor>&, double, double, int64_t,
+                                         int64_t, double, double, bool)>();
+  PlainArgs in;
+  const at::Tensor s = in.tensor(scale), g = in.tensor(growth_tracker), h = in.tensor(hysteresis_left),
+                   k = in.tensor(skipped_steps), f = in.tensor(found_inf);
+  const std::optional<at::Tensor> inv = in.optional(inv_scale);
+  if (!in.ok) return false;
+  const pybind11::gil_scoped_release no_gil;
+  op.call(s, g, h, k, f, inv, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, dynamic);
   return true;
 }
 
@@ -287,5 +354,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("optim_step_call", &optim_step_call,
         "torch.ops.mpfused.optim_step_ through the dispatcher, positional arguments; False (nothing done) where a "
         "scalar argument is a tensor subclass.");
+  m.def("overflow_call", &overflow_call,
+        "torch.ops.mpfused.non_finite_check_ (unscale_check_ with unscale) through the dispatcher; False (nothing "
+        "done) where an argument is not a plain tensor.");
+  m.def("loss_scale_update_call", &loss_scale_update_call,
+        "torch.ops.mpfused.loss_scale_update_ through the dispatcher; False (nothing done) where an argument is not "
+        "a plain tensor.");
   m.def("optim_policies", &optim_policies, "The optimizer policies: their state and hyperparameter names, in kernel order.");
 }

@@ -144,6 +144,9 @@ def non_finite_check_(
     of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
     Never synchronises the host with the device.
     """
+    if _direct() and _C.overflow_call(bool(unscale), tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm,
+                                      counter):
+        return  # (plain tensors in a list: the common case, called from C++; see optim_step_direct)
     tensors = _tensor_list(tensors, "tensors")
     found_inf = _plain(found_inf, "found_inf")
     inv_scale, sumsq, norm, counter = (_plain(t, n, optional=True) for t, n in (
@@ -154,6 +157,13 @@ def non_finite_check_(
         ops.unscale_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
     else:
         ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
+
+
+def _direct() -> bool:
+    """Whether an operator may be called from C++ (_C.*_call) rather than through torch.ops: in eager mode
+    (torch.compile traces torch.ops) with no torch function mode active (torch.ops would hand it the call).
+    The _C functions themselves decline any argument that is not a plain tensor. See optim_step_direct."""
+    return not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -347,12 +357,12 @@ class OptimCall:
 def optim_step_direct(args: list) -> None:
     """The operator call of FusedOptimizer.step()'s planned path in eager mode: ``args`` as OptimCall.args
     gives them, with plain tensors for params, grads and state (the plan checks them: _C.step_layout). The
-    same operator through torch's dispatcher (autograd's version counters, the profiler, dispatch modes, the
-    CPU and CUDA kernels), called from C++ (_C.optim_step_call) instead of through torch.ops' generic
+    same operator through torch's dispatcher (autograd, the profiler, dispatch modes, the CPU and CUDA
+    kernels), called from C++ (_C.optim_step_call) instead of through torch.ops' generic
     conversion of each Python argument to its schema type, which costs more than the rest of a small
     model's step (csrc/bindings.cpp). Where that conversion would hand the call to ``__torch_function__``
     (a torch function mode is active, or a scalar argument is a tensor subclass), it goes through torch.ops."""
-    if torch._C._is_torch_function_mode_enabled() or not _C.optim_step_call(*args):
+    if not (_direct() and _C.optim_step_call(*args)):
         ops.optim_step_(*args)
 
 
@@ -383,10 +393,11 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
     incremented when ``found_inf != 0``), each of one element (0-d is fine). ``inv_scale`` (optional) is
     refreshed to 1/scale. ``min_scale``/``max_scale`` None: no clamp (torch's rule). One tiny launch on
     CUDA; no host sync."""
-    ops.loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale,
-                          float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
-                          0.0 if min_scale is None else float(min_scale),
-                          float("inf") if max_scale is None else float(max_scale), bool(dynamic))
+    args = (scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale, float(growth_factor),
+            float(backoff_factor), int(growth_interval), int(hysteresis), 0.0 if min_scale is None else float(min_scale),
+            float("inf") if max_scale is None else float(max_scale), bool(dynamic))
+    if not (_direct() and _C.loss_scale_update_call(*args)):
+        ops.loss_scale_update_(*args)
 
 
 def _number(x, name: str) -> float:

@@ -237,7 +237,9 @@ class GradScaler(torch.amp.GradScaler):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             self._device_extras()
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+            scale = self._scale
+            return outputs * (scale if scale.device == outputs.device else scale.to(device=outputs.device,
+                                                                                      non_blocking=True))
         copies: list = []
 
         def apply(val):

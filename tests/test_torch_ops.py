@@ -11,6 +11,8 @@ import torch
 import mpfused
 from mpfused import _ops
 
+from conftest import DEVICES
+
 OPS = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mpfused::"))
 
 
@@ -357,3 +359,84 @@ def test_fixed_point_format_overflow_is_refused():
     x = torch.randn(4)
     with pytest.raises(ValueError, match="il >= 1, fl >= 0 and il \\+ fl <= 32"):
         torch.ops.mpfused.fixed_point_quantize(x, 2**62, 2**62, False, 0, 0, torch.int32)
+
+
+# ---- eager calls from C++ ---------------------------------------------------------------------------------
+# In eager mode the wrappers of the per-step operators call them through the dispatcher from C++ (_C.*_call),
+# not through torch.ops' per-argument conversion (mpfused._ops.optim_step_direct says why). Torch must see
+# the same operator, and where torch.ops would hand the call to __torch_function__, it still does.
+class _OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _FunctionsSeen(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Traced(torch.Tensor):
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _scaler_calls(device):
+    """(operator name, a fresh call of its wrapper on fixed inputs returning what it wrote, the name of the
+    _C function that calls it from C++) for the scaler's per-iteration operators."""
+    def check(unscale, found_kind=None):
+        def run(found_wrap=lambda t: t):
+            grads = [fp((33,), device, torch.float16, 5) * 100, fp((7,), device, seed=6)]
+            found, sumsq, norm = scalar(device), scalar(device), scalar(device)
+            _ops.non_finite_check_(grads, found_wrap(found), scalar(device, 0.5), unscale=unscale, sumsq=sumsq,
+                                   norm=norm, overwrite=True)
+            return grads + [found, sumsq, norm]
+        return run
+
+    def update(found_wrap=lambda t: t):
+        scale, tracker = torch.full((), 2.0**16, device=device), torch.zeros((), dtype=torch.int32, device=device)
+        left, skipped = torch.ones((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.int64, device=device)
+        inv = torch.empty((), device=device)
+        _ops.loss_scale_update_(scale, tracker, left, skipped, found_wrap(scalar(device, 1.0)), inv, growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=3, hysteresis=1)
+        return [scale, tracker, left, skipped, inv]
+
+    return [("mpfused.non_finite_check_", check(False), "overflow_call"),
+            ("mpfused.unscale_check_", check(True), "overflow_call"),
+            ("mpfused.loss_scale_update_", update, "loss_scale_update_call")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", range(3))
+def test_eager_calls_from_cpp_are_the_operators_torch_sees(monkeypatch, device, which):
+    name, run, c_name = _scaler_calls(device)[which]
+    made = []
+    real = getattr(_ops._C, c_name)
+    monkeypatch.setattr(_ops._C, c_name, lambda *a: made.append(real(*a)) or made[-1])
+    with _OpsSeen() as seen:
+        direct = run()
+    assert made == [True]
+    assert [op for op in seen.ops if op.startswith("mpfused.")] == [name + ".default"]
+    # a torch function mode: torch.ops, which hands it the call; the same results
+    with _FunctionsSeen() as functions:
+        via_ops = run()
+    assert made == [True] and sum(c.startswith(name) for c in functions.calls) == 1
+    # a subclass argument: C++ declines it (having done nothing), torch.ops hands it the call
+    _Traced.seen = []
+    via_subclass = run(lambda t: t.as_subclass(_Traced))
+    assert made == [True, False] and sum(c.startswith(name) for c in _Traced.seen) == 1
+    for a, b, c in zip(direct, via_ops, via_subclass, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, torch.as_tensor(c))

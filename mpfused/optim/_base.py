@@ -141,6 +141,8 @@ def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] 
     """t on ``device`` (and in ``dtype``): asynchronous towards an accelerator (no host sync), a finished
     copy towards the CPU (a non-blocking device-to-host copy may not have landed when the CPU kernels or
     the host read it)."""
+    if t.device == device and (dtype is None or t.dtype == dtype):
+        return t  # (what .to() returns too; this is the common case, at a tenth of its cost)
     return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
 
 
@@ -889,18 +891,22 @@ class FusedOptimizer(Optimizer):
         once per device and step)."""
         per_device: dict[torch.device, dict] = {}
 
+        def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+            # a one-element float32 tensor on the device, of any shape: as the operator takes it
+            return t if t.device == device and t.dtype == torch.float32 else copy_to(t, device, torch.float32).reshape(1)
+
         def device_scalars(device: torch.device) -> dict:
             if device not in per_device:
                 kw = {}
                 if scaling.inv_scale is not None:
-                    kw["inv_scale"] = copy_to(scaling.inv_scale, device, torch.float32).reshape(1)
+                    kw["inv_scale"] = on(scaling.inv_scale, device)
                 elif scaling.grad_scale is not None:  # the kernel computes 1/S on the device
-                    kw["grad_scale"] = copy_to(scaling.grad_scale, device, torch.float32).reshape(1)
+                    kw["grad_scale"] = on(scaling.grad_scale, device)
                 if clip is not None:
-                    kw["clip_sumsq"] = copy_to(clip[0], device, torch.float32).reshape(1)
+                    kw["clip_sumsq"] = on(clip[0], device)
                     kw["max_norm"] = float(clip[1])
                 if scaling.found_inf is not None:
-                    kw["found_inf"] = copy_to(scaling.found_inf, device, torch.float32).reshape(1)
+                    kw["found_inf"] = on(scaling.found_inf, device)
                 per_device[device] = kw
             return per_device[device]
 
