@@ -12,13 +12,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from mpfused.optim._base import FusedOptimizer
 
 from conftest import DEVICES
+from dispatch_helpers import FunctionsSeen, OpsSeen, Traced
 from optim_helpers import assert_same, bits
 
 SHAPES = [(8, 6), (8,), (4, 3, 2, 2), (1,), (5, 3)]  # the third can take channels_last
@@ -518,26 +517,6 @@ def count_direct_calls(monkeypatch):
     return made
 
 
-class OpsSeen(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class FunctionsSeen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_planned_call_is_the_operator_as_torch_sees_it(monkeypatch, device):
     """Dispatch modes, the profiler and autograd's version counters see the planned path's operator call as
@@ -576,17 +555,6 @@ def test_a_torch_function_mode_sees_the_planned_call(monkeypatch):
         opt.step()
     assert taken == [True] and made == []
     assert sum(call.startswith("mpfused.optim_step_") for call in seen.calls) == 1
-
-
-class Traced(torch.Tensor):
-    """A tensor subclass that logs the functions it takes part in (as a user's wrapper might)."""
-
-    seen: list = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(str(func))
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 @pytest.mark.parametrize("scalar", ["found_inf", "lr"])

@@ -12,6 +12,7 @@ import mpfused
 from mpfused import _ops
 
 from conftest import DEVICES
+from dispatch_helpers import FunctionsSeen, OpsSeen, Traced
 
 OPS = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mpfused::"))
 
@@ -365,35 +366,6 @@ def test_fixed_point_format_overflow_is_refused():
 # In eager mode the wrappers of the per-step operators call them through the dispatcher from C++ (_C.*_call),
 # not through torch.ops' per-argument conversion (mpfused._ops.optim_step_direct says why). Torch must see
 # the same operator, and where torch.ops would hand the call to __torch_function__, it still does.
-class _OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class _FunctionsSeen(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class _Traced(torch.Tensor):
-    seen: list = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(str(func))
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 def _scaler_calls(device):
     """(operator name, a fresh call of its wrapper on fixed inputs returning what it wrote, the name of the
     _C function that calls it from C++) for the scaler's per-iteration operators."""
@@ -426,17 +398,17 @@ def test_eager_calls_from_cpp_are_the_operators_torch_sees(monkeypatch, device, 
     made = []
     real = getattr(_ops._C, c_name)
     monkeypatch.setattr(_ops._C, c_name, lambda *a: made.append(real(*a)) or made[-1])
-    with _OpsSeen() as seen:
+    with OpsSeen() as seen:
         direct = run()
     assert made == [True]
     assert [op for op in seen.ops if op.startswith("mpfused.")] == [name + ".default"]
     # a torch function mode: torch.ops, which hands it the call; the same results
-    with _FunctionsSeen() as functions:
+    with FunctionsSeen() as functions:
         via_ops = run()
     assert made == [True] and sum(c.startswith(name) for c in functions.calls) == 1
     # a subclass argument: C++ declines it (having done nothing), torch.ops hands it the call
-    _Traced.seen = []
-    via_subclass = run(lambda t: t.as_subclass(_Traced))
-    assert made == [True, False] and sum(c.startswith(name) for c in _Traced.seen) == 1
+    Traced.seen = []
+    via_subclass = run(lambda t: t.as_subclass(Traced))
+    assert made == [True, False] and sum(c.startswith(name) for c in Traced.seen) == 1
     for a, b, c in zip(direct, via_ops, via_subclass, strict=True):
         assert torch.equal(a, b) and torch.equal(a, torch.as_tensor(c))
