@@ -101,6 +101,20 @@ inline int cpu_threads(int num_threads, int64_t total, int64_t grain) {
   return static_cast<int>(by_work < 1 ? 1 : by_work < num_threads ? by_work : (num_threads < 1 ? 1 : num_threads));
 }
 
+// body(i) for i in [0, n), on `threads` OpenMP threads (static schedule). With one thread, a plain loop: an
+// OpenMP region whose if() clause is false still starts and ends a team of one in libgomp, and the team's
+// barrier makes a futex system call (one per optimizer step, measured with strace), which a small step
+// must not pay.
+template <class F>
+inline void parallel_for(int64_t n, int threads, F&& body) {
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) body(i);
+}
+
 // The path every CPU kernel uses, chosen once from MPFUSED_CPU_ISA (a bad value throws on every call).
 inline CpuIsa cpu_isa() {
   static const CpuIsa isa = parse_cpu_isa(std::getenv("MPFUSED_CPU_ISA"));
