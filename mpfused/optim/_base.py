@@ -375,7 +375,7 @@ class _StepPlan:
 
     state: dict
     groups: list
-    numels: Optional[list]  # every param's numel, for the offsets (stochastic rounding only)
+    numels: Optional[list]  # every param's numel, for the offsets (stochastic rounding, some param without a grad)
 
     @staticmethod
     def signature(group: dict) -> tuple:
@@ -419,7 +419,10 @@ class _StepPlan:
             groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states, entries,
                                      local_entries, layout_entries, device, call, tuple(group), values, frozen,
                                      hyper if frozen else None))
-        numels = None if offsets is None else [p.numel() for g in opt.param_groups for p in g["params"]]
+        # The offsets count every param's elements; where every param had a grad, the layouts already hold
+        # their shapes (and a param without a grad now fails the mask): no numels to compare.
+        numels = None if offsets is None or all(g.mask is None for g in groups) else \
+            [p.numel() for g in opt.param_groups for p in g["params"]]
         return cls(opt.state, groups, numels)
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
