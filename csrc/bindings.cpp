@@ -183,7 +183,7 @@ bool same_entries(const pybind11::list& states, const pybind11::tuple& names, co
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* const state = PyList_GET_ITEM(states.ptr(), i);
-    if (state != Py_None && !PyDict_CheckExact(state)) return false;
+    if (state != Py_None && !PyDict_Check(state)) return false;
     for (Py_ssize_t j = 0; j < k; ++j) {
       PyObject* entry = nullptr;
       if (state != Py_None) {

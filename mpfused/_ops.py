@@ -22,6 +22,7 @@ from itertools import repeat
 from typing import Optional, Sequence
 
 import torch
+from torch.utils._device import DeviceContext as _DeviceContext
 
 _REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
@@ -161,9 +162,22 @@ def non_finite_check_(
 
 def _direct() -> bool:
     """Whether an operator may be called from C++ (_C.*_call) rather than through torch.ops: in eager mode
-    (torch.compile traces torch.ops) with no torch function mode active (torch.ops would hand it the call).
-    The _C functions themselves decline any argument that is not a plain tensor. See optim_step_direct."""
-    return not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
+    (torch.compile traces torch.ops) with no torch function mode active that would see the call (torch.ops
+    hands it the call). torch's default-device mode (``torch.set_default_device``, ``with torch.device``)
+    passes every call that creates no tensor through unchanged, so it does not count. The _C functions
+    themselves decline any argument that is not a plain tensor. See optim_step_direct."""
+    if torch.compiler.is_compiling():
+        return False
+    if not torch._C._is_torch_function_mode_enabled():
+        return True
+    return all(type(torch._C._get_function_stack_at(i)) is _DeviceContext
+               for i in range(torch._C._len_torch_function_stack()))
+
+
+def _int64(*values) -> bool:
+    """Whether every value fits the schema's int (the _C.*_call functions take C++ int64_t: pybind11 would
+    refuse a larger one with a TypeError of its own, where torch.ops names the argument)."""
+    return all(-(1 << 63) <= v < 1 << 63 for v in values)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -396,7 +410,7 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
     args = (scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale, float(growth_factor),
             float(backoff_factor), int(growth_interval), int(hysteresis), 0.0 if min_scale is None else float(min_scale),
             float("inf") if max_scale is None else float(max_scale), bool(dynamic))
-    if not (_direct() and _C.loss_scale_update_call(*args)):
+    if not (_direct() and _int64(args[8], args[9]) and _C.loss_scale_update_call(*args)):
         ops.loss_scale_update_(*args)
 
 

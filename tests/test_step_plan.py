@@ -615,3 +615,47 @@ def test_a_list_value_changed_in_place_is_checked_again():
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.0"):
         op_step(opt, 5)
     assert_same(before, snap(opt))
+
+
+def test_a_numpy_integer_seed_changed_between_steps_is_the_one_used():
+    """The plan packs the seed: a new seed, numpy's integers included, is another plan (the signature
+    compares integers by value), and the planned steps equal the full path's bits."""
+    a, b = pair("adamw", torch.bfloat16, groups=1, master_weights=False, rounding="stochastic",
+                seed=np.uint64(1))
+    taken = spy_plan(a)
+    for step in range(4):
+        for opt in (a, b):
+            if step == 2:
+                opt.param_groups[0]["seed"] = np.uint64(2)
+            op_step(opt, step)
+        assert_same(snap(a), snap(b))
+    assert taken == [False, True, False, True]
+
+
+def test_the_default_device_mode_keeps_the_direct_call(monkeypatch):
+    """torch.set_default_device / ``with torch.device(...)`` install a torch function mode that passes every
+    call creating no tensor through unchanged: the planned step still calls the operator from C++."""
+    opt = planned_adamw()
+    made = count_direct_calls(monkeypatch)
+    with torch.device("cpu"):
+        opt.step()
+    assert made == [True]
+    with FunctionsSeen(), torch.device("cpu"):  # another mode beside it: torch.ops
+        opt.step()
+    assert made == [True]
+
+
+def test_an_unused_state_that_is_a_subclass_sees_every_call():
+    """A state the step does not use (SGD's momentum buffer with momentum 0) still goes to the operator; a
+    subclass there sees each step's call, as through torch.ops on the full path, so no step is planned."""
+    opt = FusedSGD(make_params(), lr=1e-2, momentum=0.9)
+    op_step(opt, 0)
+    opt.param_groups[0]["momentum"] = 0.0
+    p = opt.param_groups[0]["params"][0]
+    opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].as_subclass(Traced)
+    taken = spy_plan(opt)
+    Traced.seen = []
+    for step in range(1, 4):
+        op_step(opt, step)
+    assert taken == [False, False, False]
+    assert sum(call.startswith("mpfused.optim_step_") for call in Traced.seen) == 3

@@ -412,3 +412,25 @@ def test_eager_calls_from_cpp_are_the_operators_torch_sees(monkeypatch, device, 
     assert made == [True, False] and sum(c.startswith(name) for c in Traced.seen) == 1
     for a, b, c in zip(direct, via_ops, via_subclass, strict=True):
         assert torch.equal(a, b) and torch.equal(a, torch.as_tensor(c))
+
+
+def test_eager_calls_fall_back_for_what_cpp_does_not_take(monkeypatch):
+    """A tuple or generator of tensors, or an integer beyond int64: the C++ call declines (or is not made)
+    and torch.ops takes the call, with its own result or message."""
+    made = []
+    real = _ops._C.overflow_call
+    monkeypatch.setattr(_ops._C, "overflow_call", lambda *a: made.append(real(*a)) or made[-1])
+    grads = [fp((9,), "cpu", seed=1), fp((4,), "cpu", seed=2)]
+    results = []
+    for given in (list, tuple, lambda ts: (t for t in ts)):
+        found, sumsq = scalar("cpu"), scalar("cpu")
+        _ops.non_finite_check_(given(grads), found, sumsq=sumsq)
+        results.append((found, sumsq))
+    assert made == [True, False, False]
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    scale, tracker = torch.full((), 2.0**16), torch.zeros((), dtype=torch.int32)
+    left, skipped = torch.ones((), dtype=torch.int32), torch.zeros((), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="growth_interval"):
+        _ops.loss_scale_update_(scale, tracker, left, skipped, scalar("cpu"), None, growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=2**63, hysteresis=1)
+    assert scale.item() == 2.0**16 and tracker.item() == 0

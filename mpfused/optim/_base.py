@@ -277,15 +277,17 @@ class _Same:
 
 def _plan_value(value):
     """What of a group value decides the structure of a step (see _StepPlan.signature), tagged with its
-    kind so that no two kinds compare equal (False == 0 == 0.0 in Python): a real number other than a bool
-    or an int only by whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no
+    kind so that no two kinds compare equal (False == 0 == 0.0 in Python): a real number other than an
+    integer only by whether it is zero (a scheduled lr changes every step; a momentum of 0 keeps no
     buffer), a tensor by being one (the update reads its value), a sequence element by element, a bool,
-    int or str by its value, anything else by identity."""
+    int (numpy's integers too: a seed the plan packs) or str by its value, anything else by identity."""
     kind = type(value)
     if kind is float:
         return "real", value == 0
     if isinstance(value, (bool, int, str)) or value is None:
         return kind, value
+    if isinstance(value, numbers.Integral):  # numpy's integers: by value, as a seed must be (the plan packs it)
+        return "integral", int(value)
     if isinstance(value, numbers.Real):
         return "real", bool(value == 0)
     if isinstance(value, torch.Tensor):
@@ -406,6 +408,9 @@ class _StepPlan:
             used = _ops._C.optim_state_mask(opt._policy, hyper[0]) if ps else 0
             layout_entries = [tensors if k >= len(_POLICY_STATES[opt._policy]) or used >> k & 1 else [None] * len(lps)
                               for k, tensors in enumerate(local_entries or entries)]
+            if any(t is not None and not is_plain_tensor(t) for unused, tensors in zip(layout_entries, local_entries or entries)
+                   if unused is not tensors for t in tensors):
+                return None  # (an unused state that is a subclass: torch.ops hands it the call, the full path's)
             layout = _step_layout(lps, lgs, layout_entries)
             if layout is None:
                 return None
@@ -420,16 +425,18 @@ class _StepPlan:
                                      local_entries, layout_entries, device, call, tuple(group), values, frozen,
                                      hyper if frozen else None))
         # The offsets count every param's elements; where every param had a grad, the layouts already hold
-        # their shapes (and a param without a grad now fails the mask): no numels to compare.
-        numels = None if offsets is None or all(g.mask is None for g in groups) else \
+        # their shapes (and a param without a grad now fails the mask): no numels to compare. (Not for
+        # DTensors: their layouts hold the local shards' shapes, their offsets come from the global ones.)
+        numels = None if offsets is None or all(g.mask is None and g.local_entries is None for g in groups) else \
             [p.numel() for g in opt.param_groups for p in g["params"]]
         return cls(opt.state, groups, numels)
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
-        """Per group (group, its _GroupPlan, params with a grad, then what the kernel call takes: those
-        params and their grads, as local shards for DTensors, then ``changed``: None where the group's
-        values are those last checked, ("lr",) where only its lr is another object, else all its keys)
-        when this step repeats the plan's; else None."""
+        """Per group, when this step repeats the plan's (else None): (the group, its _GroupPlan, its params
+        with a grad, their local shards for a DTensor group (else None), the grads the kernel call takes
+        (local shards for DTensors), ``changed``, the group's values). ``changed``: None where every value
+        is the object last checked, () where only the params list or their names are other objects,
+        ("lr",) where only the lr is, else all the group's keys (every value is checked)."""
         if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
             return None
         state_get = opt.state.get
@@ -449,13 +456,14 @@ class _StepPlan:
             if not gp.frozen:
                 changed = keys
             elif not all(map(is_, values, gp.values)):
+                changed = ()  # (the params list or their names replaced: no value to check)
                 for k, now, then in zip(keys, values, gp.values):
                     if now is not then and k not in _NOT_VALUES:
-                        changed = ("lr",) if changed is None and k == "lr" else keys
+                        changed = ("lr",) if not changed and k == "lr" else keys
             if changed is keys:
                 if self.signature(group) != gp.signature:
                     return None
-            elif changed is not None and _plan_value(group["lr"]) != gp.signature[keys.index("lr")][1]:
+            elif changed and _plan_value(group["lr"]) != gp.signature[keys.index("lr")][1]:
                 return None
             grads = [p.grad for p in params]
             if gp.mask is None:
@@ -843,7 +851,7 @@ class FusedOptimizer(Optimizer):
         # objects last checked), and what a capturable step reads; all before anything is written.
         hypers = []
         for gi, (group, gp, kps, _, _, changed, _) in enumerate(calls):
-            if changed is not None:
+            if changed:
                 where = f" (param group {gi})"
                 if changed == ("lr",):
                     check_lr(group["lr"], where)
@@ -853,15 +861,17 @@ class FusedOptimizer(Optimizer):
             if group.get("capturable") and kps:
                 check_capturable(group, kps, scaling, f" (param group {gi})")
             hyper = gp.hyper
-            if gp.call is not None and (hyper is None or (changed is not None and changed != ("lr",))):
+            if gp.call is not None and (hyper is None or (changed and changed != ("lr",))):
                 hyper = gp.call.hyper_args(self._hyper(group, gp.device))
             hypers.append(hyper)
         for (group, gp, _, _, _, changed, values), hyper in zip(calls, hypers):
             if changed is not None:
                 gp.values = values
                 # (only the lr changed: every other value is the frozen one last checked)
-                gp.frozen = _frozen(group["lr"]) if changed == ("lr",) else \
-                    all(_frozen(v) for k, v in zip(gp.keys, values) if k not in _NOT_VALUES)
+                if changed == ("lr",):
+                    gp.frozen = _frozen(group["lr"])
+                elif changed:
+                    gp.frozen = all(_frozen(v) for k, v in zip(gp.keys, values) if k not in _NOT_VALUES)
             gp.hyper = hyper if gp.frozen else None
         clip = scaling.clip
         if clip is None:
