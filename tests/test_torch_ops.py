@@ -134,6 +134,42 @@ def test_schema_marks_writes_only(op):
     assert writes == expected
 
 
+
+# The operators that return nothing and only write their arguments: autograd has nothing to record, so
+# their Autograd keys fall through to the backend kernel (csrc/torch/common.h, MPF_TORCH_NO_AUTOGRAD)
+# instead of torch's boxed autograd fallback. Every operator with an output has an autograd kernel.
+NO_AUTOGRAD = ("optim_step_", "non_finite_check_", "unscale_check_", "loss_scale_update_")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_only_in_place_operators_without_outputs_skip_autograd(op):
+    table = torch._C._dispatch_dump_table(f"mpfused::{op}")
+    keys = {line.split(":")[0]: line for line in table.splitlines() if ":" in line}
+    no_outputs = not getattr(torch.ops.mpfused, op).default._schema.returns
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        assert ("fallthrough" in keys[key]) == (op in NO_AUTOGRAD), keys[key]
+    assert op not in NO_AUTOGRAD or no_outputs
+
+
+def test_in_place_operators_leave_autograd_as_the_fallback_left_it():
+    # What torch's autograd fallback did for these (nothing: no version bump, no grad_fn, a backward through
+    # the written tensor unchanged) holds with the fallthrough.
+    x = torch.randn(4, requires_grad=True)
+    y = x * 2
+    found = torch.zeros(1)
+    torch.ops.mpfused.unscale_check_([y], found, torch.full((1,), 0.5), None, False, None, None)
+    assert y._version == 0 and type(y.grad_fn).__name__ == "MulBackward0"
+    assert torch.equal(y.detach(), x.detach())  # unscaled in place
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = mpfused.optim.FusedAdamW([p])
+    before = p.detach().clone()
+    with torch.enable_grad():
+        opt.step()
+    assert p.grad_fn is None and p.is_leaf and p._version == 0 and not torch.equal(p.detach(), before)
+
 def test_meta_tensors_propagate_shapes():
     a = torch.empty(3, 6, 8, dtype=torch.bfloat16, device="meta")
     b = torch.empty(8, 5, dtype=torch.bfloat16, device="meta")

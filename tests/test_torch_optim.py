@@ -242,6 +242,94 @@ def test_step_and_state_dict_hooks_run(which, name):
 
 
 @pytest.mark.parametrize("which,name", BOTH)
+def test_step_hooks_order_global_hooks_and_replaced_arguments(which, name):
+    # Our optimizers wrap step() themselves (FusedOptimizer.profile_hook_step, a cheaper profiler range):
+    # the hooks must run as torch's wrapper runs them.
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    p = make_params()
+    opt = build(which, name, p)
+    calls = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global-pre", o is opt))),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global-post", o is opt)))]
+    try:
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", a[1:], k)))
+        closure_calls = []
+
+        def closure():
+            closure_calls.append(1)
+            return torch.tensor(3.0)
+
+        # A pre-hook may replace the arguments: the step, the later pre-hooks and the post-hooks see the new ones.
+        opt.register_step_pre_hook(lambda o, a, k: ((o,), {"closure": closure}))
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", a[1:], k)))
+        fill_grads(p, 0)
+        before = [q.detach().clone() for q in p]
+        loss = opt.step()
+        assert loss == 3.0 and closure_calls == [1]
+        assert not any(torch.equal(a, b) for a, b in zip(before, p))
+        assert calls == [("global-pre", True), ("pre", (), {"closure": closure}), ("post", (), {"closure": closure}),
+                         ("global-post", True)]
+    finally:
+        for h in handles:
+            h.remove()
+    calls.clear()
+    opt.register_step_pre_hook(lambda o, a, k: "not a pair")
+    with pytest.raises(RuntimeError, match="must return None or a tuple of"):
+        opt.step()
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_profiler_sees_step_and_zero_grad_by_torchs_names(which, name):
+    from torch.profiler import ProfilerActivity, profile
+    p = make_params()
+    opt = build(which, name, p)
+    fill_grads(p, 0)
+    opt.step()
+    fill_grads(p, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+        opt.zero_grad()
+    cls = type(opt).__name__
+    events = {e.name: e for e in prof.events()}
+    step = events[f"Optimizer.step#{cls}.step"]
+    assert f"Optimizer.zero_grad#{cls}.zero_grad" in events
+    if which == 0:  # our operator runs inside the step's range
+        assert "mpfused::optim_step_" in {c.name for c in step.cpu_children}
+    assert all(q.grad is None for q in p)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_a_subclass_overriding_step_runs_each_hook_once(name):
+    # (torch's optimizers run them twice here: each class's step gets a wrapper once it has an instance, and
+    # the subclass's step calls the parent's)
+    cls = PAIRS[name][0]
+    cls(make_params(), lr=0.01)
+
+    class Sub(cls):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = make_params()
+    opt = Sub(p, lr=0.01)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    fill_grads(p, 0)
+    before = [q.detach().clone() for q in p]
+    opt.step()
+    assert calls == ["pre", "post"]
+    assert not any(torch.equal(a, b) for a, b in zip(before, p))
+    # and a hook that raises leaves the next step's hooks running
+    opt.register_step_pre_hook(lambda o, a, k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        opt.step()
+    calls.clear()
+    opt._optimizer_step_pre_hooks.popitem()
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize("which,name", BOTH)
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad(which, name, set_to_none):
     p = make_params()

@@ -187,4 +187,13 @@ inline unsigned int* counter_ptr(const std::optional<at::Tensor>& t, const std::
   TORCH_LIBRARY_IMPL(mpfused, CUDA, m) { m.impl(op, fn); }                           \
   TORCH_LIBRARY_IMPL(mpfused, CompositeExplicitAutograd, m) { m.impl(op, fn); }
 
+// An operator that returns nothing and only writes its arguments in place (an optimizer step, the overflow
+// check, the loss-scale update): autograd has nothing to record for it, so its Autograd keys fall through to
+// the backend kernel, called unboxed. Without this, torch's autograd fallback takes the call boxed: every
+// argument into an IValue and back, every tensor list copied (0.55 us a tensor, a third of a step's host
+// time on many small params), to do nothing (it bumps no version counter, as torch's fused optimizers bump
+// none). Not for an op with outputs: those need a real autograd kernel (no_derivative.cpp, the GEMM's).
+#define MPF_TORCH_NO_AUTOGRAD(op) \
+  TORCH_LIBRARY_IMPL(mpfused, Autograd, m) { m.impl(op, torch::CppFunction::makeFallthrough()); }
+
 }  // namespace mpf_torch

@@ -60,3 +60,4 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
         "int growth_interval, int hysteresis, float min_scale, float max_scale, bool dynamic) -> ()");
 }
 MPF_TORCH_IMPL_CPU_CUDA("loss_scale_update_", &loss_scale_update_)
+MPF_TORCH_NO_AUTOGRAD("loss_scale_update_")

@@ -347,3 +347,4 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
         "bool write_grad, str rounding, int seed, int[] sr_offsets) -> ()");
 }
 MPF_TORCH_IMPL_CPU_CUDA("optim_step_", &optim_step_)
+MPF_TORCH_NO_AUTOGRAD("optim_step_")

@@ -90,4 +90,6 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
         "bool overwrite, Tensor(d!)? norm, Tensor(e!)? counter) -> ()");
 }
 MPF_TORCH_IMPL_CPU_CUDA("non_finite_check_", &non_finite_check_)
+MPF_TORCH_NO_AUTOGRAD("non_finite_check_")
 MPF_TORCH_IMPL_CPU_CUDA("unscale_check_", &unscale_check_)
+MPF_TORCH_NO_AUTOGRAD("unscale_check_")
