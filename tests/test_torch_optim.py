@@ -753,3 +753,33 @@ def test_a_param_that_is_not_dense_is_refused_before_anything_is_written(name):
     with pytest.raises(ValueError, match=r"param 1 of param group 0: params must be dense.*strides \(12, 2\)"):
         opt.step()
     assert torch.equal(good, before) and len(opt.state) == 0
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_params_with_different_step_counts_in_one_group(name):
+    # The CPU step computes the bias corrections once per run of params with the same step count: params
+    # whose counts interleave must each get their own, as separate optimizers (bitwise) and torch's give them.
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5,), (3, 2), (7,), (1,), (4,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    ours = [t.clone().requires_grad_() for t in init]
+    alone = [t.clone().requires_grad_() for t in init]
+    theirs = [t.clone().requires_grad_() for t in init]
+    cls, ref = PAIRS[name]
+    opt = cls(ours, lr=0.05, weight_decay=0.01)
+    opts_alone = [cls([p], lr=0.05, weight_decay=0.01) for p in alone]
+    opt_ref = ref(theirs, lr=0.05, weight_decay=0.01)
+    which = [(0, 2, 4), (0, 1, 2, 3, 4), (1, 3), (0, 3), (2,), (0, 2)]
+    for s, with_grad in enumerate(which):
+        for params in (ours, alone, theirs):
+            for i, p in enumerate(params):
+                p.grad = (torch.full(p.shape, float(s + 1)) * (i + 1) / 7 if i in with_grad else None)
+        opt.step()
+        for o in opts_alone:
+            o.step()
+        opt_ref.step()
+    steps = [int(opt.state[p]["step"]) for p in ours]
+    assert steps == [4, 2, 4, 3, 2]  # the counts interleave
+    for a, b, c in zip(ours, alone, theirs):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=OPTIM_FP32_ATOL, rtol=0)

@@ -12,8 +12,10 @@
 namespace mpf_torch {
 namespace {
 
-using TensorList = std::vector<at::Tensor>;
 using OptTensorList = std::vector<std::optional<at::Tensor>>;
+// Per param, its tensor in an optional per-param list (master, remainder, state, step counter) or null: views
+// of the operator's arguments, which outlive the call (no reference counts to move per tensor).
+using TensorRefs = std::vector<const at::Tensor*>;
 
 std::string describe_layout(const at::Tensor& t) {
   std::ostringstream s;
@@ -34,19 +36,29 @@ void check_beside_param(const at::Tensor& t, const std::string& name, at::Scalar
          describe_layout(t));
 }
 
-// A float32 tensor beside its param (optimizer state, master weights).
-float* state_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
-  check_beside_param(t, name, at::kFloat, "float32", device, param);
-  return t.data_ptr<float>();
+// Whether check_beside_param would take t: its checks as one test, without their messages (which are
+// made only for a tensor that fails: a step checks a few tensors per param).
+bool beside_ok(const at::Tensor& t, at::ScalarType dtype, const at::Device& device, const at::Tensor& param) {
+  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python) &&
+         t.scalar_type() == dtype && t.device() == device && same_layout(t, param);
 }
 
-// An int16 remainder beside a BF16 param (master_weights="remainder", core/master_split.h).
-int16_t* remainder_ptr(const at::Tensor& t, const std::string& name, const at::Device& device, const at::Tensor& param) {
+// A param's name in messages, made when one is needed: `list`[`i`].
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+// A float32 tensor beside its param (optimizer state, master weights): `list`[`i`].
+float* state_ptr(const at::Tensor& t, const char* list, size_t i, const at::Device& device, const at::Tensor& param) {
+  if (!beside_ok(t, at::kFloat, device, param)) check_beside_param(t, item(list, i), at::kFloat, "float32", device, param);
+  return static_cast<float*>(t.data_ptr());
+}
+
+// An int16 remainder beside a BF16 param (master_weights="remainder", core/master_split.h): remainders[`i`].
+int16_t* remainder_ptr(const at::Tensor& t, size_t i, const at::Device& device, const at::Tensor& param) {
   if (param.scalar_type() != at::kBFloat16)
-    fail(name + " is given for a " + describe(param) + " param; remainders (master_weights='remainder') are for "
-         "bfloat16 params only");
-  check_beside_param(t, name, at::kShort, "int16", device, param);
-  return t.data_ptr<int16_t>();
+    fail(item("remainders", i) + " is given for a " + describe(param) + " param; remainders (master_weights='remainder') "
+         "are for bfloat16 params only");
+  if (!beside_ok(t, at::kShort, device, param)) check_beside_param(t, item("remainders", i), at::kShort, "int16", device, param);
+  return static_cast<int16_t*>(t.data_ptr());
 }
 
 // A tensor hyperparameter (core/optim/common.h HyperRef): float32 or float64, one element, on the update's device.
@@ -65,20 +77,20 @@ mpf::HyperRef hyper_ref(const at::Tensor* t, const mpf::HyperSpec& spec, const a
   return {t->data_ptr(), t->scalar_type() == at::kDouble};
 }
 
-const at::Tensor* opt(const OptTensorList& list, size_t i, const std::string& list_name, size_t n) {
+const at::Tensor* opt(const TensorRefs& list, size_t i, const char* list_name, size_t n) {
   if (list.empty()) return nullptr;
-  if (list.size() != n) fail(list_name + " must be empty or have one entry per param (" + std::to_string(n) + "), got " + std::to_string(list.size()));
-  return list[i] ? &*list[i] : nullptr;
+  if (list.size() != n) fail(std::string(list_name) + " must be empty or have one entry per param (" + std::to_string(n) + "), got " + std::to_string(list.size()));
+  return list[i];
 }
 
 // Validates one device's params with their grads, masters or remainders, states (the policy's kStates, of
 // which the step uses those in state_mask), step counters (required where need_step, and for the 16-bit
 // params that a stochastic step rounds: its stream is the step number) and the stochastic rounding's
 // element offsets; raises before anything is written.
-std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                                            const OptTensorList& remainders, const std::vector<OptTensorList>& states,
+std::vector<mpf::OptimTensor> optim_tensors(at::TensorList params, at::TensorList grads, const TensorRefs& masters,
+                                            const TensorRefs& remainders, const std::vector<TensorRefs>& states,
                                             const char* const* state_names, uint32_t state_mask,
-                                            const OptTensorList& steps, bool need_step, bool stochastic,
+                                            const TensorRefs& steps, bool need_step, bool stochastic,
                                             const std::vector<uint64_t>& sr_offsets, at::Device& device) {
   const size_t n = params.size();
   if (grads.size() != n) fail("grads must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(grads.size()));
@@ -88,33 +100,33 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
   std::vector<mpf::OptimTensor> out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    const std::string idx = "[" + std::to_string(i) + "]";
+    const auto idx = [i] { return "[" + std::to_string(i) + "]"; };  // (for messages only)
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
     const bool paired = grad_pairs(p, g);  // else the checks below say why, in this order
     if (!paired) {
-      check_dense(p, "params" + idx);
-      storage_dtype(p, "params" + idx);
+      check_dense(p, "params" + idx());
+      storage_dtype(p, "params" + idx());
     }
     if (i == 0) {
       device = p.device();
       check_backend(device, "params[0]");
     }
-    if (p.device() != device) fail("params" + idx + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
+    if (p.device() != device) fail("params" + idx() + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
     if (!paired) {
       if (!p.is_non_overlapping_and_dense())
-        fail("params" + idx + " must be dense (contiguous, channels_last or another permutation of a contiguous "
+        fail("params" + idx() + " must be dense (contiguous, channels_last or another permutation of a contiguous "
              "tensor), got a strided view " + describe_layout(p));
-      if (!g.defined()) fail("grads" + idx + " must be a tensor, got None");
-      check_plain(g, "grads" + idx);
-      if (g.layout() != at::kStrided) fail("grads" + idx + " is sparse; the fused optimizers need dense gradients");
-      if (g.scalar_type() != p.scalar_type()) fail("grads" + idx + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
-      if (g.sizes() != p.sizes()) fail("grads" + idx + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
-      if (g.device() != device) fail("grads" + idx + " must be on its param's device " + device.str() + ", got a " + describe(g));
+      if (!g.defined()) fail("grads" + idx() + " must be a tensor, got None");
+      check_plain(g, "grads" + idx());
+      if (g.layout() != at::kStrided) fail("grads" + idx() + " is sparse; the fused optimizers need dense gradients");
+      if (g.scalar_type() != p.scalar_type()) fail("grads" + idx() + " must have its param's dtype " + std::string(c10::toString(p.scalar_type())) + ", got a " + describe(g));
+      if (g.sizes() != p.sizes()) fail("grads" + idx() + " must have its param's shape " + c10::str(p.sizes()) + ", got a " + describe(g));
+      if (g.device() != device) fail("grads" + idx() + " must be on its param's device " + device.str() + ", got a " + describe(g));
       if (!same_layout(g, p))
-        fail("grads" + idx + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
+        fail("grads" + idx() + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
              describe_layout(g));
-      TORCH_INTERNAL_ASSERT(false, "grad_pairs refused params", idx, " and its grad for no reason the checks give");
+      TORCH_INTERNAL_ASSERT(false, "grad_pairs refused params", idx(), " and its grad for no reason the checks give");
     }
     DType d = DType::kFloat32;
     kernel_dtype(p.scalar_type(), &d);  // true: grad_pairs said so
@@ -123,30 +135,30 @@ std::vector<mpf::OptimTensor> optim_tensors(const TensorList& params, const Tens
     t.grad = g.data_ptr();
     t.numel = p.numel();
     t.dtype = d;
-    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters" + idx, device, p);
+    if (const at::Tensor* m = opt(masters, i, "masters", n)) t.master = state_ptr(*m, "masters", i, device, p);
     if (const at::Tensor* r = opt(remainders, i, "remainders", n)) {
-      if (t.master) fail("params" + idx + " has a master and a remainder; give one of the two");
-      t.remainder = remainder_ptr(*r, "remainders" + idx, device, p);
+      if (t.master) fail("params" + idx() + " has a master and a remainder; give one of the two");
+      t.remainder = remainder_ptr(*r, i, device, p);
     }
     const bool rounds_sr = stochastic && d != DType::kFloat32 && !t.remainder;
     if (!sr_offsets.empty()) {
       t.sr_offset = sr_offsets[i];
       if (t.numel > 0 && t.sr_offset > UINT64_MAX - static_cast<uint64_t>(t.numel - 1))  // the last index fits
-        fail("sr_offsets" + idx + " + the param's numel must be at most 2**64, got " + std::to_string(t.sr_offset));
+        fail("sr_offsets" + idx() + " + the param's numel must be at most 2**64, got " + std::to_string(t.sr_offset));
     } else if (rounds_sr) {
       fail("sr_offsets is required with rounding='stochastic' (the Philox index of each param's first element)");
     }
     for (size_t k = 0; k < states.size(); ++k) {
       const at::Tensor* s = opt(states[k], i, state_names[k], n);
       if (!((state_mask >> k) & 1u)) continue;  // a state this step does not use is not touched
-      if (!s) fail(std::string(state_names[k]) + idx + " is required");
-      t.state[k] = state_ptr(*s, state_names[k] + idx, device, p);
+      if (!s) fail(std::string(state_names[k]) + idx() + " is required");
+      t.state[k] = state_ptr(*s, state_names[k], i, device, p);
     }
     const at::Tensor* st = opt(steps, i, "steps", n);
     if (need_step || rounds_sr) {
-      if (!st) fail("steps" + idx + " is required" + std::string(need_step ? "" : " (rounding='stochastic': the step number is its random stream)"));
-      check_scalar(*st, "steps" + idx, device);
-      t.step = st->data_ptr<float>();
+      if (!st) fail("steps" + idx() + " is required" + std::string(need_step ? "" : " (rounding='stochastic': the step number is its random stream)"));
+      if (!(beside_ok(*st, at::kFloat, device, *st) && st->numel() == 1)) check_scalar(*st, "steps" + idx(), device);
+      t.step = static_cast<float*>(st->data_ptr());
     }
     out.push_back(t);
   }
@@ -195,8 +207,8 @@ void run_optim(const mpf::OptimArgs& a, const at::Device& device) {
 }
 
 template <class P>
-void optim_step_with(const TensorList& params, const TensorList& grads, const OptTensorList& masters,
-                     const OptTensorList& remainders, const std::vector<OptTensorList>& states, const OptTensorList& steps, double lr,
+void optim_step_with(at::TensorList params, at::TensorList grads, const TensorRefs& masters,
+                     const TensorRefs& remainders, const std::vector<TensorRefs>& states, const TensorRefs& steps, double lr,
                      const std::optional<at::Tensor>& lr_tensor, const std::vector<double>& hyper,
                      const OptTensorList& hyper_tensors, const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& clip_sumsq,
@@ -257,28 +269,28 @@ void optim_step_with(const TensorList& params, const TensorList& grads, const Op
 // A schema cannot hold a list of optional mutable tensors (nor a list of lists), so each optional
 // per-param tensor list travels as the tensors given plus an index: index[i] is the position in `given`
 // of param i's tensor, or -1 for none; an empty index gives none at all.
-OptTensorList indexed(at::TensorList given, at::IntArrayRef index, size_t n, const std::string& name) {
-  OptTensorList out;
+TensorRefs indexed(at::TensorList given, at::IntArrayRef index, size_t n, const char* name) {
+  TensorRefs out;
   if (index.empty()) {
-    if (!given.empty()) fail(name + " has " + std::to_string(given.size()) + " tensors but no index");
+    if (!given.empty()) fail(std::string(name) + " has " + std::to_string(given.size()) + " tensors but no index");
     return out;
   }
   if (index.size() != n)
-    fail(name + "'s index must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(index.size()));
+    fail(std::string(name) + "'s index must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(index.size()));
   std::vector<bool> used(given.size(), false);
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t at_ = index[i];
     if (at_ < -1 || at_ >= static_cast<int64_t>(given.size()))
-      fail(name + "'s index[" + std::to_string(i) + "] must be -1 or a position in its " + std::to_string(given.size()) +
+      fail(std::string(name) + "'s index[" + std::to_string(i) + "] must be -1 or a position in its " + std::to_string(given.size()) +
            " tensors, got " + std::to_string(at_));
     if (at_ < 0) {
-      out.emplace_back(std::nullopt);
+      out.push_back(nullptr);
       continue;
     }
-    if (used[at_]) fail(name + "'s index names tensor " + std::to_string(at_) + " twice");
+    if (used[at_]) fail(std::string(name) + "'s index names tensor " + std::to_string(at_) + " twice");
     used[at_] = true;
-    out.emplace_back(given[at_]);
+    out.push_back(&given[at_]);
   }
   return out;
 }
@@ -298,11 +310,10 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
   if (rounding_s == "nearest") r = mpf::Rounding::kNearest;
   else if (rounding_s == "stochastic") r = mpf::Rounding::kStochastic;
   else fail("rounding must be 'nearest' or 'stochastic', got '" + rounding_s + "'");
-  const TensorList params_v(params.begin(), params.end()), grads_v(grads.begin(), grads.end());
-  const size_t n = params_v.size();
-  const OptTensorList masters_v = indexed(masters, master_index, n, "masters");
-  const OptTensorList remainders_v = indexed(remainders, remainder_index, n, "remainders");
-  const OptTensorList steps_v = indexed(steps, step_index, n, "steps");
+  const size_t n = params.size();
+  const TensorRefs masters_v = indexed(masters, master_index, n, "masters");
+  const TensorRefs remainders_v = indexed(remainders, remainder_index, n, "remainders");
+  const TensorRefs steps_v = indexed(steps, step_index, n, "steps");
   OptTensorList hyper_v;
   hyper_v.reserve(hyper_tensors.size());
   for (size_t i = 0; i < hyper_tensors.size(); ++i) hyper_v.push_back(hyper_tensors.get(i));
@@ -315,7 +326,7 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
     if (!state_index.empty() && state_index.size() != static_cast<size_t>(P::kNumStates) * n)
       fail("states' index must have one entry per state and param (" + std::to_string(P::kNumStates) + " x " +
            std::to_string(n) + "), got " + std::to_string(state_index.size()));
-    std::vector<OptTensorList> states_v(P::kNumStates);
+    std::vector<TensorRefs> states_v(P::kNumStates);
     std::vector<bool> used(states.size(), false);
     for (int s = 0; s < P::kNumStates && !state_index.empty(); ++s) {
       const at::IntArrayRef idx = state_index.slice(s * n, n);
@@ -328,7 +339,7 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
         }
     }
     if (state_index.empty() && !states.empty()) fail("states has " + std::to_string(states.size()) + " tensors but no index");
-    optim_step_with<P>(params_v, grads_v, masters_v, remainders_v, states_v, steps_v, lr, lr_tensor,
+    optim_step_with<P>(params, grads, masters_v, remainders_v, states_v, steps_v, lr, lr_tensor,
                        std::vector<double>(hyper.begin(), hyper.end()), hyper_v, inv_scale, grad_scale, clip_sumsq,
                        max_norm, found_inf, counter, write_grad, r, u64_of(seed), offsets);
   });
