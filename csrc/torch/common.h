@@ -75,6 +75,12 @@ inline void check_dense(const at::Tensor& t, const std::string& name) {
   if (t.layout() != at::kStrided) fail(name + " must be a dense (strided) tensor, got a sparse " + describe(t));
 }
 
+// What check_dense takes, as one test without its messages (a per-tensor check on a hot path tests this
+// first, and makes its messages only for a tensor that fails).
+inline bool plain_dense(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python);
+}
+
 // The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its
 // elements out in memory as the param does: same shape, and the same stride in every dim of size > 1
 // (the stride of a size-1 dim never addresses memory). The param itself must be non-overlapping and dense
@@ -91,11 +97,8 @@ inline bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
 // checks of a param and its grad say why not, one by one; FusedOptimizer.step()'s planned path asks this
 // of every pair before its first kernel call (mpfused._C.step_layout).
 inline bool grad_pairs(const at::Tensor& p, const at::Tensor& g) {
-  const auto plain = [](const at::Tensor& t) {
-    return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python);
-  };
   DType d;
-  return plain(p) && plain(g) && kernel_dtype(p.scalar_type(), &d) && g.scalar_type() == p.scalar_type() &&
+  return plain_dense(p) && plain_dense(g) && kernel_dtype(p.scalar_type(), &d) && g.scalar_type() == p.scalar_type() &&
          g.device() == p.device() && p.is_non_overlapping_and_dense() && same_layout(g, p);
 }
 

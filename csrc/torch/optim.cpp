@@ -39,8 +39,7 @@ void check_beside_param(const at::Tensor& t, const std::string& name, at::Scalar
 // Whether check_beside_param would take t: its checks as one test, without their messages (which are
 // made only for a tensor that fails: a step checks a few tensors per param).
 bool beside_ok(const at::Tensor& t, at::ScalarType dtype, const at::Device& device, const at::Tensor& param) {
-  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python) &&
-         t.scalar_type() == dtype && t.device() == device && same_layout(t, param);
+  return plain_dense(t) && t.scalar_type() == dtype && t.device() == device && same_layout(t, param);
 }
 
 // A param's name in messages, made when one is needed: `list`[`i`].

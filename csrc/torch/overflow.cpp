@@ -31,13 +31,16 @@ void check_impl(at::TensorList tensors, const at::Tensor& found_inf, const std::
   refs.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    const std::string name = "tensors[" + std::to_string(i) + "]";
-    check_dense(t, name);
-    const DType d = storage_dtype(t, name);
-    if (t.device() != device)
-      fail(name + " is on " + t.device().str() + " but found_inf is on " + device.str() +
-           "; all tensors of one call must be on one device");
-    if (!t.is_contiguous()) fail(name + " must be contiguous, got a strided view " + describe(t) + "; pass t.contiguous()");
+    DType d;
+    if (!(plain_dense(t) && kernel_dtype(t.scalar_type(), &d) && t.device() == device && t.is_contiguous())) {
+      const std::string name = "tensors[" + std::to_string(i) + "]";  // (the message of the first check that fails)
+      check_dense(t, name);
+      storage_dtype(t, name);
+      if (t.device() != device)
+        fail(name + " is on " + t.device().str() + " but found_inf is on " + device.str() +
+             "; all tensors of one call must be on one device");
+      fail(name + " must be contiguous, got a strided view " + describe(t) + "; pass t.contiguous()");
+    }
     if (t.numel() == 0) continue;
     refs.push_back({t.data_ptr(), t.numel(), d});
   }
