@@ -292,7 +292,8 @@ def test_profiler_sees_step_and_zero_grad_by_torchs_names(which, name):
     cls = type(opt).__name__
     events = {e.name: e for e in prof.events()}
     step = events[f"Optimizer.step#{cls}.step"]
-    assert f"Optimizer.zero_grad#{cls}.zero_grad" in events
+    zero = events[f"Optimizer.zero_grad#{cls}.zero_grad"]
+    assert step.is_user_annotation and zero.is_user_annotation  # the kind of event torch's range is
     if which == 0:  # our operator runs inside the step's range
         assert "mpfused::optim_step_" in {c.name for c in step.cpu_children}
     assert all(q.grad is None for q in p)
@@ -327,6 +328,33 @@ def test_a_subclass_overriding_step_runs_each_hook_once(name):
     opt._optimizer_step_pre_hooks.popitem()
     opt.step()
     assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize("which,name", BOTH)
+def test_steps_on_two_threads_each_run_the_hooks(which, name):
+    # (ours keeps which optimizers are inside a step per thread: another thread's step is not nested in it)
+    import threading
+    p = make_params()
+    opt = build(which, name, p)
+    calls, started, release = [], threading.Event(), threading.Event()
+
+    def pre(o, a, k):
+        calls.append(threading.current_thread().name)
+        if threading.current_thread().name == "first":
+            started.set()
+            release.wait(10)
+
+    opt.register_step_pre_hook(pre)
+    fill_grads(p, 0)
+    first = threading.Thread(target=opt.step, name="first")
+    first.start()
+    try:
+        assert started.wait(10)
+        opt.step()
+    finally:
+        release.set()
+        first.join(10)
+    assert sorted(calls) == ["MainThread", "first"]
 
 
 @pytest.mark.parametrize("which,name", BOTH)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
+import threading
 import warnings
 from collections import defaultdict
 from copy import deepcopy
@@ -495,23 +497,33 @@ class _StepPlan:
         return calls
 
 
-# The profiler range around step() and zero_grad() (see FusedOptimizer.profile_hook_step): torch's C++ record of
-# a user range, which costs ~0.5 µs when no profiler is on. torch.autograd.profiler.record_function, which
-# torch's optimizers use, enters and leaves through two torch.ops calls: 11 µs, and 16 µs around a step that
-# calls an operator (torch 2.13, 2-core VM), a quarter of a one-tensor step. Under torch.compile:
-# record_function, as in torch's optimizers (dynamo knows it).
+# The profiler range around step() and zero_grad() (see FusedOptimizer.profile_hook_step).
+# torch.autograd.profiler.record_function, which torch's optimizers use, enters and leaves through two
+# torch.ops calls: 11 µs, and 16 µs around a step that calls an operator (torch 2.13, 2-core VM), a quarter
+# of a one-tensor step. So it is used where someone records it: torch's profiler is on (then the range is
+# torch's user annotation, exactly), or torch's CUPTI monitor runs (it takes record_function's ranges
+# without the profiler). Otherwise the range is torch's C++ record (~0.5 µs), which the RecordFunction
+# observers that run without the profiler (an execution-trace observer) still see. Under torch.compile:
+# torch's own wrapper (dynamo knows record_function).
 _RecordFunctionFast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+_profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
 _disable_dynamo = getattr(torch, "_disable_dynamo", lambda fn: fn)
 
 
-# The optimizers inside a step() wrapper (FusedOptimizer.profile_hook_step), by id.
-_IN_STEP: set = set()
-
-
 def _profiler_range(name: str):
-    if _RecordFunctionFast is None or torch.compiler.is_compiling():
+    if _RecordFunctionFast is None or _profiler_enabled is None or _profiler_enabled() or _cupti_monitor_on() \
+            or torch.compiler.is_compiling():
         return torch.autograd.profiler.record_function(name)
     return _RecordFunctionFast(name)
+
+
+def _cupti_monitor_on() -> bool:
+    monitor = sys.modules.get("torch.profiler._cupti_monitor")
+    return monitor is not None and getattr(monitor, "_monitor_singleton", None) is not None
+
+
+# The (thread, optimizer) pairs inside a step() wrapper (FusedOptimizer.profile_hook_step).
+_IN_STEP: set = set()
 
 
 class FusedOptimizer(Optimizer):
@@ -577,9 +589,9 @@ class FusedOptimizer(Optimizer):
         profiler looks for the optimizer with Python tracing on), the post-hooks, all inside a profiler
         range named as torch names it, ``Optimizer.step#<class>.step``. The same in eager mode, with the
         range recorded by _profiler_range (torch's wrapper costs 13-16 µs a step, this one ~1), and once
-        per call of step(): a subclass's step() that calls ``super().step()`` runs the hooks once, where
-        torch's run them twice as soon as the parent class has had an instance. torch.compile traces
-        torch's own wrapper."""
+        per call of step() in eager mode: a subclass's step() that calls ``super().step()`` runs the hooks
+        once, where torch's run them twice as soon as the parent class has had an instance. torch.compile
+        traces torch's own wrapper (so there, as in torch, twice)."""
         traced = Optimizer.profile_hook_step(func)
 
         @functools.wraps(func)
@@ -587,7 +599,7 @@ class FusedOptimizer(Optimizer):
             self = args[0]
             if torch.compiler.is_compiling():
                 return traced(*args, **kwargs)
-            key = id(self)
+            key = (threading.get_ident(), id(self))
             if key in _IN_STEP:  # (inside the wrapper of a subclass's step)
                 return func(*args, **kwargs)
             _IN_STEP.add(key)
