@@ -181,16 +181,20 @@ def test_seed_is_drawn_from_torch_generator_reproducibly_and_only_when_needed():
 
 
 # ---- stochastic rounding: the exact bits --------------------------------------------------------------
+# sizes that leave most params at an offset that is not a multiple of 8 (a Philox block's elements), then
+# small params that share blocks: several in one block, one across a boundary, one ending a block
+SR_FIRST = (37, 1030, 5, 1, 2, 1, 3, 1, 1, 6, 1)
+
+
 def sr_model(dtype, seed=0):
     torch.manual_seed(seed)
-    # sizes that leave most params at an offset that is not a multiple of 4 (two Philox blocks per 4 words)
-    first = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (37, 1030, 5)]
+    first = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in SR_FIRST]
     second = [torch.nn.Parameter(torch.randn(7, 11).to(dtype))]
     return first, second
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-@pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedSGD, FusedLion])
+@pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion])
 def test_stochastic_write_back_matches_the_philox_reference(dtype, cls):
     """Every step, the no-master SR run's params equal the definition of stochastic rounding applied to the
     FP32 result of the step (taken from a copy of the optimizer that keeps an FP32 master instead), with
@@ -201,11 +205,12 @@ def test_stochastic_write_back_matches_the_philox_reference(dtype, cls):
     opt = cls([dict(params=first), dict(params=second)], master_weights=False, rounding="stochastic", seed=2**40 + 99,
               **KW[cls])
     g = torch.Generator().manual_seed(1)
-    offsets = [0, 37, 1067, 1072]
+    offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+    assert offsets[:4] == [0, 37, 1067, 1072]
     for step in range(1, 6):
         set_grads(params, g)
         twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        twin = cls([dict(params=twin_params[:3]), dict(params=twin_params[3:])], master_weights=True,
+        twin = cls([dict(params=twin_params[:len(first)]), dict(params=twin_params[len(first):])], master_weights=True,
                    rounding="stochastic", seed=2**40 + 99, **KW[cls])
         if opt.state:
             twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # the same states and steps (copies); the
@@ -310,6 +315,35 @@ def test_two_params_get_different_words_and_offsets_are_stable(dtype):
     assert torch.equal(bits(a), sr_reference(fp32, words_of(5, 0, 4000, 1), dtype))
     assert torch.equal(bits(b), sr_reference(fp32, words_of(5, 8000, 4000, 1), dtype))
     assert float(opt.state[b]["step"]) == 1.0 and c not in opt.state
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_small_params_sharing_philox_blocks_round_with_their_own_streams(dtype):
+    """Small params whose elements share Philox blocks (eight elements each), with different step counts in
+    one call: each rounds with the words of its own stream (its step number) at its own offsets. The CPU
+    keeps the block it drew last for the next param (optim_impl.inc's SrBlockCache), keyed by the block
+    and the step; a param that took a neighbour's words fails here (checked below: the neighbours' streams
+    give other bits for these values)."""
+    sizes = (1, 1, 2, 1, 3, 1, 9, 1, 1, 1, 20, 4, 1)
+    offsets = [5 + sum(sizes[:i]) for i in range(len(sizes))]  # from mid-block
+    counts = [3, 3, 7, 3, 0, 0, 2, 2, 5, 9, 1, 3, 3]  # steps taken: neighbours in a block agree and differ
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    ps = [x.clone() for x in xs]
+    steps = [torch.tensor(float(c)) for c in counts]
+    hyper = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    mpfused._ops.optim_step_("sgd", ps, [torch.ones_like(p) for p in ps], [None] * len(ps), {}, steps, lr=1e-3,
+                             hyper=hyper, rounding="stochastic", seed=99, sr_offsets=offsets)
+    others = 0
+    for i, (x, p) in enumerate(zip(xs, ps)):
+        assert float(steps[i]) == counts[i] + 1
+        fp32 = x.float() - 1e-3
+        want = sr_reference(fp32, words_of(99, offsets[i], x.numel(), counts[i] + 1), dtype)
+        assert torch.equal(bits(p), want), i
+        if i > 0 and counts[i - 1] != counts[i]:  # the previous param's stream would round these otherwise
+            others += not torch.equal(want, sr_reference(fp32, words_of(99, offsets[i], x.numel(), counts[i - 1] + 1),
+                                                         dtype))
+    assert others >= 2, others
 
 
 # ---- stochastic rounding: statistics --------------------------------------------------------------------

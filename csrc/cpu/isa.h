@@ -115,6 +115,22 @@ inline void parallel_for(int64_t n, int threads, F&& body) {
   for (int64_t i = 0; i < n; ++i) body(i);
 }
 
+// body(begin, end) over [0, n) cut into one contiguous range per thread: for what a thread carries from one
+// index to the next (the stochastic step's last Philox block). One thread: body(0, n), no OpenMP region.
+template <class F>
+inline void parallel_ranges(int64_t n, int threads, F&& body) {
+  if (n <= 0) return;
+  if (threads <= 1 || n == 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int r = 0; r < threads; ++r) {
+    const int64_t begin = n * r / threads, end = n * (r + 1) / threads;
+    if (begin < end) body(begin, end);
+  }
+}
+
 // The path every CPU kernel uses, chosen once from MPFUSED_CPU_ISA (a bad value throws on every call).
 inline CpuIsa cpu_isa() {
   static const CpuIsa isa = parse_cpu_isa(std::getenv("MPFUSED_CPU_ISA"));
