@@ -175,6 +175,42 @@ def test_sumsq_matches_float64(device, dtype):
     assert sumsq.item() == pytest.approx(ref_sumsq(tensors), rel=SUMSQ_RTOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_tensors_every_position_and_exact_lane_sums(dtype):
+    """CPU, tensors of 1 to 40 elements (fewer than its 32 lanes go one by one, in scalar code; the rest
+    through the lanes): a non-finite value is found at every position in every mode, the unscaled values
+    are torch's multiply bit for bit, and the sum of squares is bit for bit the lanes' (element i in lane
+    i % 32, each lane's squares added in order, then the lanes in order, all in FP32)."""
+    inv = 2.0**-3
+    for n in range(1, 41):
+        x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 8).to(dtype)
+        v = (x.float() * inv).numpy()
+        lanes = np.zeros(32, dtype=np.float32)
+        for i in range(n):
+            lanes[i % 32] = np.float32(lanes[i % 32] + np.float32(v[i] * v[i]))
+        want = np.float32(0)
+        for lane in lanes:
+            want = np.float32(want + lane)
+        for unscale in (False, True):
+            t, found, sumsq = x.clone(), flag("cpu"), flag("cpu")
+            mpfused.non_finite_check_([t], found, torch.tensor([inv]), unscale=unscale, sumsq=sumsq)
+            assert found.item() == 0.0
+            assert np.float32(sumsq.item()).view(np.int32) == want.view(np.int32), (n, unscale)
+            assert_bitwise_equal(t, (x.float() * inv).to(dtype) if unscale else x)
+        for pos in range(n):
+            for bad, mode in zip(BAD_VALUES, ("check", "sumsq", "scaled-sumsq")):
+                t = x.clone()
+                t[pos] = bad
+                found = flag("cpu")
+                mpfused.non_finite_check_([t], found, **CHECK_MODES[mode]("cpu"))
+                assert found.item() == 1.0, (n, pos, mode)
+            t = x.clone()
+            t[pos] = BAD_VALUES[pos % 3]
+            found = flag("cpu")
+            mpfused.non_finite_check_([t], found, torch.tensor([inv]), unscale=True)
+            assert found.item() == 1.0, (n, pos, "unscale")
+
+
 def test_sumsq_mixed_dtypes_with_inv_scale_accumulates(device):
     torch.manual_seed(1)
     tensors = [torch.randn(3000 + i, device=device).to(DTYPES[i % 3]) * 512 for i in range(9)]
