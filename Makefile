@@ -6,6 +6,8 @@
 #   make cuda-check   the CUDA checks that need no GPU (compile for every arch, SASS, CUDA install path)
 #   make gpu-check    on a machine with a GPU: build, CUDA tests, compute-sanitizer, benchmarks -> JSON, report;
 #               each stage alone: make gpu-check-<deps|build|tests|sanitize-TOOL|bench|report>
+#   make gpu-prebuild   here, without a GPU: the extension for the GPU machine (build/gpu-prebuilt/)
+#   make gpu-window     on the GPU machine: one window of WINDOW_SECONDS through the stages, in priority order
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +21,8 @@ CUDA_BUILD := build/cuda-check
 
 .PHONY: venv build test test-python test-native test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
         gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench \
-        gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck clean
+        gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck \
+        gpu-prebuild gpu-window clean
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
@@ -131,6 +134,20 @@ $(addprefix gpu-check-sanitize-,$(SANITIZERS)):
 
 gpu-check-bench:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh bench $(BENCH)
+
+# A GPU window is short (15 minutes of device time, the machine's start included): the extension is built
+# beforehand, here, for the GPU machine's Python, torch and arch (GPU_PYTHON, GPU_TORCH_SPEC, GPU_ARCHS;
+# .ci/gpu_prebuild.sh), and travels to it in build/gpu-prebuilt/; its build stage reuses it where the key
+# (sources, torch, Python) is its own, and builds from source otherwise.
+gpu-prebuild:
+	bash .ci/gpu_prebuild.sh
+
+# On the GPU machine: deps, build (or the prebuilt one), then WINDOW_STAGES in turn, all within
+# WINDOW_SECONDS; GPU_WINDOW_OUT=DIR gets the summary and an archive of every log and JSON.
+WINDOW_SECONDS ?= 540
+WINDOW_STAGES ?= tests bench memcheck
+gpu-window:
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh window $(WINDOW_SECONDS) $(WINDOW_STAGES)
 
 clean:
 	rm -rf build mpfused/_C*.so mpfused/_build_config.py *.egg-info

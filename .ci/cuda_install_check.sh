@@ -63,6 +63,19 @@ SKIP_REPEATS=(test_cpu_isa.py test_optim.py test_gemm.py test_distributed.py tes
 # would find no kernel image; this check is about the CPU side of the CUDA build.)
 CUDA_VISIBLE_DEVICES= "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${SKIP_REPEATS[@]/#/--ignore=$WORK/tests/}" "$WORK/tests"
 
+# The GPU window's reuse of a prebuilt extension (.ci/gpu_check.sh build, after .ci/gpu_prebuild.sh), with
+# this CUDA build standing in for the prebuilt one: its key is taken as gpu_prebuild.sh takes it, and the
+# build stage's check must accept it for its arch, put it in the source tree and load it from there.
+pkg=$(cd "$WORK/tests" && "$VENV/bin/python" -c "import mpfused, os; print(os.path.dirname(mpfused.__file__))")
+mkdir -p "$WORK/build/gpu-prebuilt"
+cp "$pkg"/_C*.so "$pkg"/_build_config.py "$WORK/build/gpu-prebuilt/"
+{ bash "$WORK/.ci/gpu_check.sh" --key "$VENV/bin/python"; echo "archs=$INSTALL_ARCHS"; } > "$WORK/build/gpu-prebuilt/PREBUILT"
+out=$(PYTHON="$VENV/bin/python" bash "$WORK/.ci/gpu_check.sh" --reuse "${INSTALL_ARCHS%+PTX}" 2>&1) || {
+  echo "cuda_install_check: the build stage refused the prebuilt extension:" >&2; echo "$out" >&2; exit 1; }
+echo "$out" | grep -q "^reusing the extension prebuilt" || { echo "unexpected: $out" >&2; exit 1; }
+(cd "$WORK" && "$VENV/bin/python" -c "import mpfused; assert mpfused.__file__.startswith('$WORK'), mpfused.__file__")
+echo "prebuilt reuse: OK ($out)"
+
 # The ABI guard: the source tree's extension was built against another torch.
 if ls "$ROOT"/mpfused/_C*.so >/dev/null 2>&1; then
   cd "$ROOT"

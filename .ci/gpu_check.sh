@@ -5,7 +5,9 @@
 #
 #   bash .ci/gpu_check.sh deps        every tool and Python package the stages need, each missing one named
 #   bash .ci/gpu_check.sh build       the extension in place for the visible GPUs' archs only, all cores;
-#                                     leaves mpfused/_C*.so and build/ for the later stages (no rebuild)
+#                                     leaves mpfused/_C*.so and build/ for the later stages (no rebuild);
+#                                     or, where .ci/gpu_prebuild.sh left one for this very machine (sources,
+#                                     torch, Python, arch: build/gpu-prebuilt/PREBUILT), that extension
 #   bash .ci/gpu_check.sh tests [FILE...]
 #                                     the GPU cases of the test suite (pytest -m cuda) and the demo on the
 #                                     GPU, or the GPU cases of FILE...
@@ -17,6 +19,11 @@
 #                                     JSON under benchmarks/results/ named after the GPU
 #   bash .ci/gpu_check.sh report      every stage's summary line and the JSON the benchmarks wrote
 #   bash .ci/gpu_check.sh all         every stage in turn (each still under its own timeout)
+#   bash .ci/gpu_check.sh window [SECONDS] [STAGE...]
+#                                     one GPU window of SECONDS in all (default 540): deps, build, the
+#                                     STAGEs (default: tests bench memcheck) in turn under the time left,
+#                                     report; GPU_WINDOW_OUT=DIR also writes DIR/summary.tsv and
+#                                     DIR/gpu-window.tar.gz (every log and benchmark JSON)
 #
 # Each stage ends with one summary line, "gpu-check STAGE: PASS|FAIL|TIMEOUT in Ns: details", also kept in
 # build/gpu-check/summary.tsv for the report; its full output is in build/gpu-check/STAGE.log
@@ -105,6 +112,55 @@ stage_deps() {
   echo "DETAIL all present"
 }
 
+# The key of an extension built for this machine: the sources it is built from, torch's release and commit,
+# and Python's extension suffix (its ABI). .ci/gpu_prebuild.sh stores it beside a prebuilt extension; the
+# build stage reuses that extension only where its own key is the same.
+print_key() {
+  "$1" - <<'PYEOF'
+import hashlib, pathlib, sysconfig
+import torch
+files = [p for p in pathlib.Path("csrc").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+files += [pathlib.Path("setup.py"), pathlib.Path("pyproject.toml")]
+h = hashlib.sha256()
+for p in sorted(files, key=lambda p: p.as_posix()):
+    h.update(p.as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+print("sources=" + h.hexdigest())
+print("torch=" + torch.__version__)
+print("torch_git=" + str(torch.version.git_version))
+print("ext_suffix=" + sysconfig.get_config_var("EXT_SUFFIX"))
+PYEOF
+}
+
+# Puts the extension prebuilt by .ci/gpu_prebuild.sh (GPU_PREBUILT, default build/gpu-prebuilt) in place when
+# its key is this machine's and it holds every visible GPU's arch; says why not otherwise.
+reuse_prebuilt() {
+  local archs=$1 dir=${GPU_PREBUILT:-build/gpu-prebuilt}
+  [ -f "$dir/PREBUILT" ] || { echo "no prebuilt extension ($dir/PREBUILT): building from source"; return 1; }
+  local have want
+  have=$(print_key "$PY") || return 1
+  want=$(grep -v "^archs=" "$dir/PREBUILT")
+  if [ "$have" != "$want" ]; then
+    echo "the prebuilt extension in $dir is not for this machine or these sources: building from source"
+    diff <(echo "$want") <(echo "$have") | grep "^[<>]" | sed 's/^</  prebuilt:/; s/^>/  here:    /'
+    return 1
+  fi
+  local built a
+  built=$(sed -n 's/^archs=//p' "$dir/PREBUILT")
+  for a in ${archs//;/ }; do
+    case ";$built;" in
+      *";$a;"* | *";$a+PTX;"*) ;;
+      *) echo "the prebuilt extension has archs $built, not this GPU's $a: building from source"; return 1 ;;
+    esac
+  done
+  cp "$dir"/_C*.so "$dir"/_build_config.py mpfused/ || return 1
+  if ! "$PY" -c "import mpfused, sys; sys.exit(0 if mpfused.has_cuda_kernels() else 1)"; then
+    echo "the prebuilt extension does not load here: building from source"
+    return 1
+  fi
+  echo "reusing the extension prebuilt in $dir for $built (torch $(sed -n 's/^torch=//p' <<<"$have"); no nvcc run)"
+  PREBUILT_ARCHS=$built
+}
+
 stage_build() {
   check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
   # The archs of the visible GPUs only ("9.0", or "8.0;9.0" on a mixed machine): a fraction of the
@@ -112,6 +168,11 @@ stage_build() {
   local archs
   archs=$("$PY" -c "import torch; print(';'.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i)
                                                           for i in range(torch.cuda.device_count())})))") || return 1
+  if [ "${GPU_FORCE_BUILD:-0}" != 1 ] && reuse_prebuilt "$archs"; then
+    "$PY" -m mpfused || return 1
+    echo "DETAIL reused the prebuilt extension ($PREBUILT_ARCHS): $(ls mpfused/_C*.so)"
+    return 0
+  fi
   echo "building for TORCH_CUDA_ARCH_LIST=$archs with $(nproc) jobs"
   TORCH_CUDA_ARCH_LIST="$archs" MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace || return 1
   "$PY" -m mpfused || return 1
@@ -125,17 +186,33 @@ require_build() {
   return 1
 }
 
+# pytest's options for the GPU cases: -v (a stage stopped at its limit still shows each test that ended),
+# the slowest tests (to plan the next window), and where the plugins are installed, several workers on the
+# one GPU (GPU_TEST_WORKERS, default half the cores, at most 8; 0 for none) and a limit per test
+# (GPU_TEST_TIMEOUT seconds, default 180: a kernel that hangs costs one test, not the window).
+pytest_gpu_options() {
+  local opts=(-v -p no:cacheprovider --durations=20)
+  local workers=${GPU_TEST_WORKERS:-$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))}
+  if [ "$workers" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then opts+=(-n "$workers"); fi
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    opts+=(--timeout "${GPU_TEST_TIMEOUT:-180}" --timeout-method thread)
+  fi
+  echo "${opts[@]}"
+}
+
 stage_tests() {
   check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
   require_build || return 1
-  local log="$LOGS/${LABEL:-tests}.pytest.log" rc=0 counts
+  local log="$LOGS/${LABEL:-tests}.pytest.log" rc=0 counts opts
+  read -r -a opts <<<"$(pytest_gpu_options)"
+  echo "pytest ${opts[*]}"
   if [ $# -gt 0 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -m cuda "$@" 2>&1 | tee "$log"
+    "$PY" -m pytest "${opts[@]}" -m cuda "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     counts=$(pytest_counts "$log")
   else
     # the GPU cases of every file, then the demo, which trains on the GPU whenever there is one
-    "$PY" -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$log"
+    "$PY" -m pytest "${opts[@]}" -m cuda tests 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     counts="cuda cases: $(pytest_counts "$log")"
     "$PY" -m pytest -q -p no:cacheprovider tests/test_demo.py 2>&1 | tee "$log.demo"
@@ -169,9 +246,13 @@ stage_sanitize() {
   fi
   local log="$LOGS/${LABEL:-sanitize-$tool}.pytest.log"
   # Deselected: launch counts seen by the profiler (none under the sanitizer), gigabyte tensors, and the
-  # test whose kernel traps on purpose.
+  # test whose kernel traps on purpose. The pytest workers are processes of their own, which
+  # --target-processes all instruments too; a test may take longer under the tool (600 s each).
+  local opts
+  read -r -a opts <<<"$(GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-600} pytest_gpu_options)"
+  echo "pytest ${opts[*]}"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
-    --target-processes all "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not profiler and not big and not trap" \
+    --target-processes all "$PY" -m pytest "${opts[@]}" -m "cuda and not profiler and not big and not trap" \
     "${files[@]}" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   local errors
@@ -236,6 +317,14 @@ if [ "${1:-}" = "--inner" ]; then
   run_stage "$@"
   exit $?
 fi
+if [ "${1:-}" = "--key" ]; then  # for .ci/gpu_prebuild.sh: the key of a build by the interpreter $2
+  print_key "${2:-$PY}"
+  exit $?
+fi
+if [ "${1:-}" = "--reuse" ]; then  # the build stage's reuse of a prebuilt extension alone, for ARCHS ($2)
+  reuse_prebuilt "${2:?--reuse needs the archs, e.g. 9.0}"
+  exit $?
+fi
 
 # A stage's label: its name, the sanitizer's tool, and the files or benchmarks it was given (so that a
 # stage split over several runs keeps one summary line per part).
@@ -246,7 +335,8 @@ stage_label() {
   local part
   for part in "$@"; do
     part=$(basename "$part" .py)
-    label="$label-${part#test_}"
+    part=${part#test_}
+    label="$label-${part#bench_}"
   done
   echo "$label"
 }
@@ -282,6 +372,61 @@ case "${1:-all}" in
     for tool in memcheck racecheck synccheck initcheck; do stage_with_timeout sanitize "$tool" || rc=1; done
     stage_with_timeout bench || rc=1
     stage_with_timeout report || rc=1
+    exit "$rc"
+    ;;
+  window)
+    # One GPU window of SECONDS (default 540) in all: deps, the build (the prebuilt extension where it
+    # matches), then the stages named (default: tests bench memcheck) in that order, each under the time the
+    # window has left (tests at most WINDOW_TESTS_SECONDS, 300 by default; the benchmarks
+    # WINDOW_BENCH_SECONDS, 150), then the report. With GPU_WINDOW_OUT, the summary and one archive of every
+    # log and benchmark JSON are written there (a folder that comes back from the GPU machine).
+    shift
+    budget=540
+    if [[ "${1:-}" =~ ^[0-9]+$ ]]; then budget=$1; shift; fi
+    plan=("$@")
+    [ ${#plan[@]} -gt 0 ] || plan=(tests bench memcheck)
+    for s in "${plan[@]}"; do
+      case "$s" in
+        tests | bench | memcheck | racecheck | synccheck | initcheck) ;;
+        *) echo "window: unknown stage '$s' (tests, bench, memcheck, racecheck, synccheck, initcheck)"; exit 2 ;;
+      esac
+    done
+    deadline=$((SECONDS + budget))
+    # a stage gets the window's time left, less 15 s (the kill after TERM) and 20 s (the report), at most CAP
+    within() {
+      local cap=$1 left
+      shift
+      left=$((deadline - SECONDS - 35))
+      if [ "$left" -lt 20 ]; then
+        echo "gpu-check window: no time left for '$*'"
+        return 1
+      fi
+      if [ "$cap" -gt 0 ] && [ "$cap" -lt "$left" ]; then left=$cap; fi
+      GPU_STAGE_TIMEOUT=$left stage_with_timeout "$@"
+    }
+    rc=0
+    rm -f "$LOGS/summary.tsv"
+    within 60 deps && within 0 build || rc=1
+    if [ "$rc" -eq 0 ]; then
+      for s in "${plan[@]}"; do
+        case "$s" in
+          tests) within "${WINDOW_TESTS_SECONDS:-300}" tests || rc=1 ;;
+          # the benchmarks that hold the goals first
+          bench) BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-0.3} within "${WINDOW_BENCH_SECONDS:-150}" bench \
+                   bench_optim bench_overflow bench_scaler bench_gemm bench_random bench_fixed_point || rc=1 ;;
+          *) within 0 sanitize "$s" || rc=1 ;;
+        esac
+      done
+    fi
+    stage_with_timeout report || rc=1
+    if [ -n "${GPU_WINDOW_OUT:-}" ]; then
+      mkdir -p "$GPU_WINDOW_OUT"
+      cp "$LOGS/summary.tsv" "$GPU_WINDOW_OUT/summary.tsv" 2>/dev/null || true
+      mkdir -p "$LOGS/bench-json"
+      cp benchmarks/results/*_cuda_*.json "$LOGS/bench-json/" 2>/dev/null || true
+      tar -czf "$GPU_WINDOW_OUT/gpu-window.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" || rc=1
+      echo "gpu-check window: $GPU_WINDOW_OUT/summary.tsv and gpu-window.tar.gz ($(du -h "$GPU_WINDOW_OUT/gpu-window.tar.gz" | cut -f1))"
+    fi
     exit "$rc"
     ;;
   *) stage_with_timeout "$@" ;;

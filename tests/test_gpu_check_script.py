@@ -63,7 +63,7 @@ def test_stages_refuse_bad_arguments_and_a_missing_build(tmp_path):
     stage(tmp_path, "tests", "tests/test_optim.py")
     stage(tmp_path, "bench", "bench_gemm")
     labels = [row[0] for row in summary_rows(tmp_path)]
-    assert {"sanitize-memcheck-gemm-nn", "tests-optim", "bench-bench_gemm"} <= set(labels), labels
+    assert {"sanitize-memcheck-gemm-nn", "tests-optim", "bench-gemm"} <= set(labels), labels
     rc, out, line = stage(tmp_path, "report")
     assert rc != 0 and "sanitize-leakcheck" in out and "nonsense" in out
     assert line.startswith("gpu-check report: FAIL") and "stages not passed" in line
@@ -77,3 +77,111 @@ def test_a_stage_past_its_limit_is_stopped_and_reported(tmp_path):
     assert rc in (124, 137)
     assert line.startswith("gpu-check deps: TIMEOUT in ") and "stopped after 2s" in line
     assert summary_rows(tmp_path)[-1][:2] == ["deps", "TIMEOUT"]
+
+
+# ---- the prebuilt extension (.ci/gpu_prebuild.sh builds it off the GPU machine; the build stage reuses it)
+
+def tree_copy(tmp_path, with_package=False):
+    """The parts of the repository that the key and the reuse read, copied: the script, the sources
+    and (for a load) the Python package without its built extension."""
+    tree = tmp_path / "tree"
+    (tree / ".ci").mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / ".ci" / SCRIPT.name)
+    shutil.copytree(ROOT / "csrc", tree / "csrc")
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, tree / name)
+    if with_package:
+        shutil.copytree(ROOT / "mpfused", tree / "mpfused",
+                        ignore=shutil.ignore_patterns("_C*.so", "_build_config.py", "__pycache__"))
+    return tree
+
+
+def run_script(tree, *args, env_extra=None):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOGS=str(tree / "logs"), **(env_extra or {}))
+    return subprocess.run(["bash", str(tree / ".ci" / SCRIPT.name), *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tree)
+
+
+def key_of(tree):
+    r = run_script(tree, "--key", sys.executable)
+    assert r.returncode == 0, r.stderr
+    return dict(line.split("=", 1) for line in r.stdout.splitlines())
+
+
+def test_the_build_key_names_the_sources_torch_and_python(tmp_path):
+    import sysconfig
+    tree = tree_copy(tmp_path)
+    key = key_of(tree)
+    assert set(key) == {"sources", "torch", "torch_git", "ext_suffix"}
+    assert key["torch"] == torch.__version__ and key["torch_git"] == str(torch.version.git_version)
+    assert key["ext_suffix"] == sysconfig.get_config_var("EXT_SUFFIX")
+    assert len(key["sources"]) == 64 and key_of(tree) == key  # a sha256, the same twice
+    # any change to a source, setup.py or pyproject.toml gives another key; the other parts stay
+    for path in (tree / "csrc" / "cuda" / "optim.cu", tree / "setup.py", tree / "pyproject.toml"):
+        before = key_of(tree)
+        path.write_text(path.read_text() + "\n")
+        after = key_of(tree)
+        assert after["sources"] != before["sources"], path
+        assert {k: v for k, v in after.items() if k != "sources"} == {k: v for k, v in before.items() if k != "sources"}
+    # a new file under csrc counts too
+    before = key_of(tree)
+    (tree / "csrc" / "core" / "extra.h").write_text("// new\n")
+    assert key_of(tree)["sources"] != before["sources"]
+
+
+def test_a_prebuilt_extension_is_reused_only_where_its_key_and_arch_fit(tmp_path):
+    tree = tree_copy(tmp_path, with_package=True)
+    prebuilt = tree / "build" / "gpu-prebuilt"
+    r = run_script(tree, "--reuse", "9.0")
+    assert r.returncode != 0 and "no prebuilt extension" in r.stdout and "building from source" in r.stdout
+    prebuilt.mkdir(parents=True)
+    for f in list((ROOT / "mpfused").glob("_C*.so")) + [ROOT / "mpfused" / "_build_config.py"]:
+        shutil.copy(f, prebuilt / f.name)
+    key = key_of(tree)
+
+    def write_key(archs, **changed):
+        k = dict(key, **changed)
+        (prebuilt / "PREBUILT").write_text("".join(f"{n}={v}\n" for n, v in k.items()) + f"archs={archs}\n")
+
+    # another torch, or other sources: refused, naming the part that differs on both sides
+    write_key("9.0", torch="2.0.0+cu999")
+    r = run_script(tree, "--reuse", "9.0")
+    assert r.returncode != 0 and "not for this machine or these sources" in r.stdout
+    assert "prebuilt: torch=2.0.0+cu999" in r.stdout and f"here:     torch={torch.__version__}" in r.stdout
+    assert "sources=" not in r.stdout  # only what differs
+    write_key("9.0", sources="0" * 64)
+    r = run_script(tree, "--reuse", "9.0")
+    assert r.returncode != 0 and "prebuilt: sources=" + "0" * 64 in r.stdout
+    assert not list((tree / "mpfused").glob("_C*.so"))  # nothing was put in place
+    # the right key, but not this GPU's arch (9.0+PTX counts as 9.0; 9.0 is not 8.0 or 9.0a)
+    write_key("8.0;8.6")
+    r = run_script(tree, "--reuse", "9.0")
+    assert r.returncode != 0 and "has archs 8.0;8.6, not this GPU's 9.0" in r.stdout
+    write_key("9.0a")
+    assert "not this GPU's 9.0" in run_script(tree, "--reuse", "9.0").stdout
+    write_key("8.0;9.0+PTX")
+    r = run_script(tree, "--reuse", "8.0;9.0")
+    if torch.version.cuda is None:
+        # key and archs fit, so the extension is put in place and loaded: this CPU-only one has no CUDA kernels
+        assert r.returncode != 0 and "does not load here: building from source" in r.stdout, r.stdout + r.stderr
+        assert sorted(p.name for p in (tree / "mpfused").glob("_C*.so")) == sorted(p.name for p in prebuilt.glob("_C*.so"))
+
+
+def test_a_window_refuses_unknown_stages_and_reports_what_it_ran(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOGS=str(tmp_path / "logs"), GPU_WINDOW_OUT=str(out))
+    r = subprocess.run(["bash", str(SCRIPT), "window", "120", "tests", "lint"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "unknown stage 'lint'" in r.stdout
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run(["bash", str(SCRIPT), "window", "120", "bench"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    # no GPU here: deps fails, nothing else runs but the report, and the window's files are written
+    assert r.returncode != 0
+    labels = [row.split("\t")[0] for row in (out / "summary.tsv").read_text().splitlines()]
+    assert labels == ["deps", "report"], labels
+    import tarfile
+    with tarfile.open(out / "gpu-window.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/deps.log" in names and "logs/summary.tsv" in names and "logs/report.log" in names, names
