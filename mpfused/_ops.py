@@ -22,6 +22,7 @@ from itertools import repeat
 from typing import Optional, Sequence
 
 import torch
+from torch.utils import _python_dispatch
 from torch.utils._device import DeviceContext as _DeviceContext
 
 _REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
@@ -686,18 +687,141 @@ def _matmul_grad(x: torch.Tensor, y: torch.Tensor, alpha: float, dtype: torch.dt
     return (r.sum(0) if batched_to_2d and r.dim() == 3 else r).to(dtype)
 
 
+def _activation_grad(grad: torch.Tensor, act_input: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return torch.ops.aten.threshold_backward(grad, act_input, 0)
+    return torch.ops.aten.gelu_backward(grad, act_input, approximate=_GELU_APPROXIMATE[activation])
+
+
+@torch.library.custom_op("mpfused::activation_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def activation_backward(grad: torch.Tensor, act_input: torch.Tensor, activation: str,
+                        grad_pre: Optional[torch.Tensor], bias_dtype: Optional[torch.dtype]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM backward's first step: the gradient before the activation ("relu", "gelu" or "gelu_erf"),
+    plus ``grad_pre`` where the value before the activation had a gradient of its own (gemm_with_pre), and,
+    where the GEMM had a bias (``bias_dtype``; else an empty tensor), the bias's gradient: the FP32 sum of
+    that gradient over every row, in ``bias_dtype``. One operator, so that torch.compile runs it as eager
+    does instead of generating its own code for it: inductor's code for the activation's derivative, and
+    for the sum fused after it, rounds differently from eager's kernels (torch 2.11 on CPU: the bias
+    gradient of a FusedLinear with a GELU differed in every one of 200 random cases), and a compiled
+    training step would then not be eager's bit for bit."""
+    return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
+
+
+def _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype):
+    # The operator's computation, which eager backward calls directly (the same code, so the same bits: an
+    # operator call from Python costs ~60 us more on a slow CPU, and an eager backward needs no operator)
+    g = _activation_grad(grad, act_input, activation)
+    if grad_pre is not None:
+        g = g + grad_pre
+    if bias_dtype is None:
+        return g, g.new_empty(0)
+    return g, _bias_grad_eager(g, bias_dtype)
+
+
+def _bias_grad_eager(grad, bias_dtype):
+    return grad.sum(tuple(range(grad.dim() - 1)), dtype=torch.float32).to(bias_dtype)
+
+
+@activation_backward.register_fake
+def _activation_backward_fake(grad, act_input, activation, grad_pre, bias_dtype):
+    if activation not in ("relu", *_GELU_APPROXIMATE):
+        raise ValueError(f"activation must be 'relu', 'gelu' or 'gelu_erf', got {activation!r}")
+    for name, t in (("act_input", act_input), ("grad_pre", grad_pre)):
+        if t is not None and t.shape != grad.shape:
+            raise ValueError(f"{name} must have grad's shape {tuple(grad.shape)}, got {tuple(t.shape)}")
+    g = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    return g, grad.new_empty(grad.shape[-1:] if bias_dtype is not None else (0,), dtype=bias_dtype or grad.dtype)
+
+
+def _activation_second_derivative(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act''(x) in FP32 (torch ops, themselves differentiable): 0 for ReLU; for GELU with the exact erf,
+    phi(x) (2 - x^2); for the tanh approximation 0.5 x (1 + t) with t = tanh(u), u = k (x + c x^3):
+    (1 - t^2) u' - x t (1 - t^2) u'^2 + 0.5 x (1 - t^2) u''."""
+    x = x.float()
+    if activation == "relu":
+        return torch.zeros_like(x)
+    if activation == "gelu_erf":
+        return torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi)) * (2.0 - x * x)
+    k, c = math.sqrt(2.0 / math.pi), 0.044715
+    t = torch.tanh(k * (x + c * x * x * x))
+    sech2 = 1.0 - t * t
+    du = k * (1.0 + 3.0 * c * x * x)
+    d2u = k * 6.0 * c * x
+    return sech2 * du - x * t * sech2 * du * du + 0.5 * x * sech2 * d2u
+
+
+def _activation_backward_setup(ctx, inputs, output) -> None:
+    grad, act_input, activation, grad_pre, bias_dtype = inputs
+    ctx.save_for_backward(grad, act_input)
+    ctx.activation, ctx.has_bias, ctx.has_pre = activation, bias_dtype is not None, grad_pre is not None
+
+
+def _activation_backward_backward(ctx, g_grad_in, g_bias):
+    """Second derivatives (a backward differentiated with create_graph=True): with T the gradient reaching
+    the output (plus the bias gradient's, broadcast over the rows), d/dgrad = act'(x) T, d/dgrad_pre = T,
+    d/dx = T grad act''(x)."""
+    grad, x = ctx.saved_tensors
+    t = g_grad_in
+    if ctx.has_bias and g_bias is not None:
+        t = g_bias.to(grad.dtype).expand(grad.shape) if t is None else t + g_bias.to(t.dtype)
+    if t is None:
+        return None, None, None, None, None
+    d_grad = _activation_grad(t, x, ctx.activation) if ctx.needs_input_grad[0] else None
+    d_x = None
+    if ctx.needs_input_grad[1]:
+        d_x = (t.float() * grad.float() * _activation_second_derivative(x, ctx.activation)).to(x.dtype)
+    d_pre = t if ctx.has_pre and ctx.needs_input_grad[3] else None
+    return d_grad, d_x, None, d_pre, None
+
+
+activation_backward.register_autograd(_activation_backward_backward, setup_context=_activation_backward_setup)
+
+
+@torch.library.custom_op("mpfused::bias_grad", mutates_args=(), device_types=("cpu", "cuda"))
+def bias_grad(grad: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of a GEMM's bias: the FP32 sum of ``grad`` over every row (all dims but the last),
+    rounded once to ``bias_dtype``. An operator for the reason given at activation_backward: compiled by
+    inductor, the sum and its rounding differ from eager's (torch 2.11 under autocast: the rounding to FP16
+    was left out)."""
+    return _bias_grad_eager(grad, bias_dtype)
+
+
+@bias_grad.register_fake
+def _bias_grad_fake(grad, bias_dtype):
+    if grad.dim() < 1:
+        raise ValueError("grad must have at least one dimension")
+    return grad.new_empty(grad.shape[-1:], dtype=bias_dtype)
+
+
+def _bias_grad_backward(ctx, g):
+    return g.to(ctx.grad_dtype).expand(ctx.grad_shape), None
+
+
+def _bias_grad_setup(ctx, inputs, output) -> None:
+    ctx.grad_dtype, ctx.grad_shape = inputs[0].dtype, inputs[0].shape
+
+
+bias_grad.register_autograd(_bias_grad_backward, setup_context=_bias_grad_setup)
+
+
 def _gemm_backward(ctx, grad, grad_pre=None):
     a, b, act_input, bias, c = ctx.saved_tensors
     act = ctx.activation
     if ctx.recompute:  # gemm (one output) with a GELU: the value before it, computed again
         act_input = ops.gemm(a, b, bias, None, ctx.alpha, ctx.beta, c, ctx.out_dtype)
-    if act == "relu":
-        grad = torch.ops.aten.threshold_backward(grad, act_input, 0)
-    elif act in _GELU_APPROXIMATE:
-        grad = torch.ops.aten.gelu_backward(grad, act_input, approximate=_GELU_APPROXIMATE[act])
-    if grad_pre is not None:
-        grad = grad + grad_pre
-    grad_a = grad_b = grad_bias = grad_c = None
+    grad_bias = None
+    want_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    # Traced (torch.compile's dynamo, or its AOT autograd tracing the backward with fake or functional tensors
+    # under a dispatch mode): the operators, which compiled code runs as eager does. Eager: their code,
+    # called directly.
+    compiling = (torch.compiler.is_compiling() or type(grad) is not torch.Tensor
+                 or _python_dispatch.is_in_torch_dispatch_mode())
+    if act is not None:
+        grad, grad_bias = (ops.activation_backward if compiling else _activation_backward_eager)(
+            grad, act_input, act, grad_pre, ctx.bias_dtype if want_bias else None)
+        grad_bias = grad_bias if want_bias else None
+    grad_a = grad_b = grad_c = None
     if ctx.needs_input_grad[0]:  # alpha * grad @ b^T
         grad_a = _matmul_grad(grad, b.transpose(-1, -2), ctx.alpha, ctx.a_dtype, ctx.a_dim)
     if ctx.needs_input_grad[1]:  # alpha * a^T @ grad, computed as (grad^T @ a)^T: a transposed view, no copy
@@ -706,8 +830,8 @@ def _gemm_backward(ctx, grad, grad_pre=None):
             grad_b = _matmul_grad(g2.t(), a2, ctx.alpha, ctx.a_dtype, 2).t()
         else:
             grad_b = _matmul_grad(grad.transpose(-1, -2), a, ctx.alpha, ctx.a_dtype, ctx.b_dim).transpose(-1, -2)
-    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        grad_bias = grad.sum(tuple(range(grad.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
+    if want_bias and grad_bias is None:
+        grad_bias = (ops.bias_grad if compiling else _bias_grad_eager)(grad, ctx.bias_dtype)
     if ctx.c_info is not None and ctx.needs_input_grad[6] and ctx.beta != 0.0:
         c_dtype, c_dim = ctx.c_info
         gc = grad.float() * ctx.beta

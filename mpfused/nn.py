@@ -70,9 +70,10 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     Forward: one GEMM (torch.ops.mpfused.gemm) with the bias and the activation in its epilogue; for a GELU
     the operator that also returns the value before it (gemm_with_pre), which the backward reads (ReLU's
     backward needs only the output). Backward: the operators' autograd formula (mpfused/_ops.py): the
-    activation's backward (torch's ``gelu_backward`` / ``threshold_backward``), then ``grad_input = grad_pre
+    activation's backward (mpfused::activation_backward: torch's ``gelu_backward`` / ``threshold_backward``
+    and the bias's FP32 sum, in one operator that compiled code runs as eager does), then ``grad_input = grad_pre
     @ weight`` and ``grad_weight = grad_pre.T @ x`` on the same GEMM (``grad_pre.T`` is a transposed view,
-    read without a copy), and ``grad_bias`` as an FP32 sum over the rows. Only the gradients autograd asks
+    read without a copy); without an activation, ``grad_bias`` from mpfused::bias_grad. Only the gradients autograd asks
     for are computed. Operators all the way, so torch.compile traces it without a graph break."""
     if activation in _GELU_APPROXIMATE:
         return _ops.gemm(x, weight.t(), bias, activation, return_pre_activation=True)[0]
@@ -110,7 +111,8 @@ class FusedLinear(nn.Module):
       sm_75, or a build without an sm_80+ BF16 kernel): ``F.linear`` + the activation, with one
       RuntimeWarning per device and dtype that says why.
 
-    Double backward (``create_graph=True``) is not supported on the fused path and raises.
+    Double backward (``create_graph=True``) works on the fused path: each operator of the backward has a
+    derivative of its own.
     """
 
     __constants__ = ["in_features", "out_features", "activation"]

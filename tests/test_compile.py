@@ -94,6 +94,31 @@ def test_fused_linear_model_compiles_whole_and_matches_eager(device, dtype):
         assert e.dtype == c.dtype and torch.equal(e, c)
 
 
+def test_compiled_backward_keeps_the_activation_and_bias_gradients_as_operators(device):
+    """The backward graph that AOT autograd hands the compiler holds mpfused::activation_backward and
+    mpfused::bias_grad, not torch's gelu_backward / threshold_backward and sum, which inductor would
+    generate code for (and round otherwise than eager: torch 2.11)."""
+    from torch._dynamo.backends.common import aot_autograd
+    seen = []
+
+    def keep(gm, example_inputs):
+        seen.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    model = torch.nn.Sequential(FusedLinear(16, 32, activation="gelu"), FusedLinear(32, 8, activation="relu"),
+                                FusedLinear(8, 4)).to(device=device, dtype=torch.float16)
+    x = torch.randn(5, 16, device=device, dtype=torch.float16)
+    out = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(x)
+    out.float().sum().backward()
+    assert len(seen) == 2
+    backward = seen[1]
+    ops = torch.ops.mpfused
+    assert {ops.activation_backward.default, ops.bias_grad.default} <= backward, backward
+    assert not {torch.ops.aten.gelu_backward.default, torch.ops.aten.threshold_backward.default,
+                torch.ops.aten.sum.dim_IntList} & backward, backward
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_fused_linear_under_autocast_compiles_whole(device):
     model = linear_model(device, torch.float32)
     x = torch.randn(8, 16, device=device)

@@ -14,7 +14,7 @@ import mpfused
 from mpfused import _ops
 from conftest import requires_cuda
 from mpfused.nn import FusedLinear, convert_linear
-from tolerances import LINEAR_REL_TOL, LINEAR_VS_TORCH_FACTOR
+from tolerances import GELU_TOL, LINEAR_REL_TOL, LINEAR_VS_TORCH_FACTOR
 
 LOW = [torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "relu", "gelu", "gelu_erf"]
@@ -245,16 +245,37 @@ def test_only_the_needed_gradients_are_computed(device):
     assert mode.calls == [(5, 8), (5, 4)] and x.grad is not None and x.grad.shape == x.shape  # + grad_input
 
 
-def test_double_backward_matches_float64(device):
-    """The backward is made of operators with their own derivatives (the GEMM's, the activation's), so a
-    second derivative works on the fused path too."""
-    layer = FusedLinear(4, 3, activation="gelu", device=device, dtype=torch.float16)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_erf", "relu"])
+def test_activation_second_derivative_matches_float64(activation):
+    """act''(x), which the activation backward's own derivative holds, against float64 autograd twice
+    through torch's activation, on a grid over the range where it is not ~0."""
+    from mpfused._ops import _activation_second_derivative
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    x = x[x != 0]  # (ReLU has no second derivative at 0)
+    act = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "gelu_erf": F.gelu, "relu": F.relu}[activation]
+    xr = x.clone().requires_grad_(True)
+    (d1,) = torch.autograd.grad(act(xr).sum(), xr, create_graph=True)
+    (d2,) = torch.autograd.grad(d1.sum(), xr)
+    ours = _activation_second_derivative(x.float(), activation)
+    assert ours.dtype == torch.float32
+    rtol, atol = GELU_TOL[torch.float32]
+    torch.testing.assert_close(ours.double(), d2, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_erf", "relu"])
+def test_double_backward_matches_float64(device, activation):
+    """The backward is made of operators with their own derivatives (the GEMM's, and the activation
+    backward's: mpfused::activation_backward, whose formula holds act''), so a second derivative works on
+    the fused path too."""
+    torch.manual_seed(0)
+    layer = FusedLinear(4, 3, activation=activation, device=device, dtype=torch.float16)
     x = torch.randn(2, 4, device=device, dtype=torch.float16, requires_grad=True)
     (g,) = torch.autograd.grad(layer(x).float().sum(), x, create_graph=True)
     (gg,) = torch.autograd.grad(g.float().square().sum(), x)
     xr = x.detach().double().requires_grad_(True)
     w, b = layer.weight.detach().double(), layer.bias.detach().double()
-    (gr,) = torch.autograd.grad(F.gelu(xr @ w.t() + b, approximate="tanh").sum(), xr, create_graph=True)
+    act = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "gelu_erf": F.gelu, "relu": F.relu}[activation]
+    (gr,) = torch.autograd.grad(act(xr @ w.t() + b).sum(), xr, create_graph=True)
     (ggr,) = torch.autograd.grad(gr.square().sum(), xr)
     tol = LINEAR_REL_TOL[torch.float16] * 4  # two more rounded GEMMs and activation derivatives
     assert (gg.double() - ggr).abs().max().item() <= tol * max(ggr.abs().max().item(), 1.0)

@@ -102,6 +102,18 @@ def samples(op: str, device: str) -> list:
         b = torch.randint(-100, 100, (7, 3), dtype=torch.int32, device=device)
         return [((a, b, 4, 8, 4, 8, 8, 8, True, 5, 0, torch.int32), {}),
                 ((a, b, 4, 8, 4, 8, 8, 8, False, 0, 0, torch.int16), {})]
+    if op == "activation_backward":
+        g, x = fp((6, 5), device, h16, 1), fp((6, 5), device, h16, 2)
+        gb, xb, pb = (fp((2, 3, 5), device, torch.bfloat16, s) for s in (3, 4, 5))
+        cases = [((g, x, "gelu", None, h16), {}), ((g, x, "relu", fp((6, 5), device, h16, 6), None), {}),
+                 ((gb, xb, "gelu_erf", pb, torch.float32), {})]
+        # and with inputs that require grad: the second derivative's formula
+        return cases + [(tuple(t.clone().requires_grad_() if isinstance(t, torch.Tensor) else t for t in args), {})
+                        for args, _ in cases]
+    if op == "bias_grad":
+        cases = [((fp((6, 5), device, h16, 1), h16), {}), ((fp((2, 3, 4), device, torch.bfloat16, 2), torch.float32), {}),
+                 ((fp((0, 3), device, h16, 3), h16), {})]
+        return cases + [((args[0].clone().requires_grad_(), args[1]), {}) for args, _ in cases]
     raise AssertionError(f"no sample inputs for mpfused::{op}: add them here")
 
 

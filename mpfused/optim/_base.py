@@ -855,8 +855,13 @@ class FusedOptimizer(Optimizer):
             return loss
 
         # The full path. It mends state in place as it goes, so a plan made before it no longer holds
-        # (even where it raises): the plan is dropped here and remade when the step succeeds.
-        self.__dict__.pop("_mpf_plan", None)
+        # (even where it raises): the plan is dropped here and remade when the step succeeds. Not in a step
+        # that torch.compile traces: it never takes the plan, and torch 2.11's dynamo cannot trace a write
+        # to an optimizer's attributes; a plan left from an eager step still checks, before it is taken,
+        # that every param, grad, state dict and state tensor is the object it was made for.
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self.__dict__["_mpf_plan"] = None
         # Everything is checked before anything (state included) is created or written.
         work = []
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
@@ -866,7 +871,8 @@ class FusedOptimizer(Optimizer):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
             self._check_group(group, f" (param group {gi})", in_step=True)
-            dtensors = bool(group["params"]) and not self._param_kind_ok(group["params"][0]) and \
+            # (len(), not bool(): torch 2.11's dynamo cannot trace bool of a list)
+            dtensors = len(group["params"]) > 0 and not self._param_kind_ok(group["params"][0]) and \
                 self._check_kinds(group, f" (param group {gi})")
             params = []
             for i, p in enumerate(group["params"]):
@@ -928,7 +934,8 @@ class FusedOptimizer(Optimizer):
                         plannable = False
                         if write_grad:
                             p.grad.copy_(g)
-        self.__dict__["_mpf_plan"] = _StepPlan.make(self, work, offsets if stochastic else None) if plannable else None
+        if plannable and not compiling:
+            self.__dict__["_mpf_plan"] = _StepPlan.make(self, work, offsets if stochastic else None)
         return loss
 
     def _planned_step(self, scaling: StepScaling) -> bool:
@@ -1036,6 +1043,9 @@ class FusedOptimizer(Optimizer):
         """The zeroed int32 the update kernel borrows and leaves zeroed, one per device and stream
         (_ops.borrowed_counter): with it the last block of the update increments the step counters, so a
         step is one launch per group."""
+        if device.type != "cuda" or torch.compiler.is_compiling():
+            return None  # (borrowed_counter's answer there, without the store: torch 2.11's dynamo cannot
+            # trace the write of a new attribute of the optimizer)
         return _ops.borrowed_counter(self.__dict__.setdefault("_mpf_counters", {}), device)
 
     def _hyper(self, group: dict, device: torch.device) -> dict:
