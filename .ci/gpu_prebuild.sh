@@ -19,6 +19,9 @@
 #   GPU_ARCHS        TORCH_CUDA_ARCH_LIST of the build (default 9.0: H100 and H200)
 #   GPU_VENV         the venv (default .venv-gpu<X><Y>; it holds CUDA torch and its libraries, ~5 GB)
 #   JOBS             parallel compile jobs (default: every core)
+#   GPU_PREBUILD_TESTS   test files run on this machine's CPU against the prebuilt extension under the GPU
+#                    machine's torch before it is kept (default: the torch.compile, operator and nn tests,
+#                    where a torch release differs most; "none" for none): what fails here fails there too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,7 +55,8 @@ if [ ! -x "$GPU_VENV/bin/python" ]; then
   "$py" -m venv "$GPU_VENV"
 fi
 # (the constraint file of a machine may cap torch below the GPU machine's release: this venv is its own)
-PIP_CONSTRAINT= "$GPU_VENV/bin/python" -m pip install --progress-bar off -q "$GPU_TORCH_SPEC" numpy setuptools wheel ninja
+PIP_CONSTRAINT= "$GPU_VENV/bin/python" -m pip install --progress-bar off -q "$GPU_TORCH_SPEC" numpy setuptools wheel ninja \
+  pytest hypothesis
 "$GPU_VENV/bin/python" -c "import torch; assert torch.version.cuda, 'gpu_prebuild: $GPU_TORCH_SPEC has no CUDA'"
 
 # Build from a copy of the tree (the source tree's own in-place build is left alone).
@@ -71,6 +75,18 @@ key=$(cd "$WORK" && bash .ci/gpu_check.sh --key "$GPU_VENV/bin/python") || { ech
 import mpfused
 assert mpfused.has_cuda_kernels(), 'built without the CUDA kernels'
 print('gpu_prebuild: loads;', mpfused.build_info())")
+
+# The CPU side under the GPU machine's torch (no GPU here: the CUDA cases skip)
+tests=${GPU_PREBUILD_TESTS:-tests/test_compile.py tests/test_torch_ops.py tests/test_nn.py}
+if [ "$tests" != none ]; then
+  # shellcheck disable=SC2086
+  if ! (cd "$WORK" && CUDA_VISIBLE_DEVICES= TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 "$GPU_VENV/bin/python" -m pytest -q \
+          -p no:cacheprovider $tests); then
+    echo "gpu_prebuild: these tests fail under $GPU_TORCH_SPEC (the GPU machine's torch) on this CPU already:" \
+         "fix them before the GPU window; nothing was kept" >&2
+    exit 1
+  fi
+fi
 
 rm -rf "$OUTDIR"
 mkdir -p "$OUTDIR"

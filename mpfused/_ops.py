@@ -730,15 +730,15 @@ def _activation_backward_fake(grad, act_input, activation, grad_pre, bias_dtype)
     for name, t in (("act_input", act_input), ("grad_pre", grad_pre)):
         if t is not None and t.shape != grad.shape:
             raise ValueError(f"{name} must have grad's shape {tuple(grad.shape)}, got {tuple(t.shape)}")
-    g = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    return g, grad.new_empty(grad.shape[-1:] if bias_dtype is not None else (0,), dtype=bias_dtype or grad.dtype)
+    # the operator's own code on fake tensors: torch's kernels' meta functions give its strides and dtypes
+    return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
 
 
 def _activation_second_derivative(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """act''(x) in FP32 (torch ops, themselves differentiable): 0 for ReLU; for GELU with the exact erf,
+    """act''(x) in FP32 (FP64 for FP64 x; torch ops, themselves differentiable): 0 for ReLU; for GELU with the exact erf,
     phi(x) (2 - x^2); for the tanh approximation 0.5 x (1 + t) with t = tanh(u), u = k (x + c x^3):
     (1 - t^2) u' - x t (1 - t^2) u'^2 + 0.5 x (1 - t^2) u''."""
-    x = x.float()
+    x = x if x.dtype == torch.float64 else x.float()
     if activation == "relu":
         return torch.zeros_like(x)
     if activation == "gelu_erf":
@@ -770,7 +770,8 @@ def _activation_backward_backward(ctx, g_grad_in, g_bias):
     d_grad = _activation_grad(t, x, ctx.activation) if ctx.needs_input_grad[0] else None
     d_x = None
     if ctx.needs_input_grad[1]:
-        d_x = (t.float() * grad.float() * _activation_second_derivative(x, ctx.activation)).to(x.dtype)
+        wide = torch.float64 if torch.float64 in (t.dtype, grad.dtype, x.dtype) else torch.float32
+        d_x = (t.to(wide) * grad.to(wide) * _activation_second_derivative(x, ctx.activation)).to(x.dtype)
     d_pre = t if ctx.has_pre and ctx.needs_input_grad[3] else None
     return d_grad, d_x, None, d_pre, None
 
@@ -791,7 +792,7 @@ def bias_grad(grad: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
 def _bias_grad_fake(grad, bias_dtype):
     if grad.dim() < 1:
         raise ValueError("grad must have at least one dimension")
-    return grad.new_empty(grad.shape[-1:], dtype=bias_dtype)
+    return _bias_grad_eager(grad, bias_dtype)
 
 
 def _bias_grad_backward(ctx, g):

@@ -185,3 +185,9 @@ def test_a_window_refuses_unknown_stages_and_reports_what_it_ran(tmp_path):
     with tarfile.open(out / "gpu-window.tar.gz") as tar:
         names = tar.getnames()
     assert "logs/deps.log" in names and "logs/summary.tsv" in names and "logs/report.log" in names, names
+    # a window too short for a stage: the stage is reported as skipped, and the report counts it
+    r = subprocess.run(["bash", str(SCRIPT), "window", "30", "tests"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    rows = [row.split("\t") for row in (out / "summary.tsv").read_text().splitlines()]
+    assert [row[:2] for row in rows] == [["deps", "SKIPPED"], ["report", "FAIL"]], rows
+    assert r.returncode != 0 and "stages not passed: 1" in r.stdout

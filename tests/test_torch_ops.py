@@ -105,14 +105,16 @@ def samples(op: str, device: str) -> list:
     if op == "activation_backward":
         g, x = fp((6, 5), device, h16, 1), fp((6, 5), device, h16, 2)
         gb, xb, pb = (fp((2, 3, 5), device, torch.bfloat16, s) for s in (3, 4, 5))
+        gt, xt = fp((5, 6), device, h16, 7).t(), fp((5, 6), device, h16, 8).t()  # transposed: strides kept
         cases = [((g, x, "gelu", None, h16), {}), ((g, x, "relu", fp((6, 5), device, h16, 6), None), {}),
-                 ((gb, xb, "gelu_erf", pb, torch.float32), {})]
+                 ((gb, xb, "gelu_erf", pb, torch.float32), {}), ((gt, x, "gelu", None, h16), {}),
+                 ((g, xt, "relu", None, None), {})]
         # and with inputs that require grad: the second derivative's formula
         return cases + [(tuple(t.clone().requires_grad_() if isinstance(t, torch.Tensor) else t for t in args), {})
                         for args, _ in cases]
     if op == "bias_grad":
         cases = [((fp((6, 5), device, h16, 1), h16), {}), ((fp((2, 3, 4), device, torch.bfloat16, 2), torch.float32), {}),
-                 ((fp((0, 3), device, h16, 3), h16), {})]
+                 ((fp((0, 3), device, h16, 3), h16), {}), ((fp((5, 6), device, h16, 4).t(), torch.float32), {})]
         return cases + [((args[0].clone().requires_grad_(), args[1]), {}) for args, _ in cases]
     raise AssertionError(f"no sample inputs for mpfused::{op}: add them here")
 

@@ -941,8 +941,10 @@ class FusedOptimizer(Optimizer):
     def _planned_step(self, scaling: StepScaling) -> bool:
         """The step on the plan the last step left (_StepPlan), when this one repeats that step's structure;
         False, having checked and written nothing, when it does not (the caller then takes the full path)."""
+        if torch.compiler.is_compiling():  # (first: dynamo would otherwise guard on the plan object)
+            return False
         plan = self.__dict__.get("_mpf_plan")
-        if plan is None or torch.compiler.is_compiling():
+        if plan is None:
             return False
         calls = plan.match(self)
         if calls is None:
