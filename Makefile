@@ -1,5 +1,6 @@
 # mpfused: the commands that work on a fresh machine.
-#   make test   create .venv, install torch if missing, build, run pytest and the native tests
+#   make test   create .venv, install torch if missing, build, run pytest and the native tests (the CUDA
+#               simulator's included: csrc/cuda's kernels run on the CPU; make test-cuda-sim runs it alone)
 #   make test-integrations   install the pinned framework packages (torch kept as it is) and run
 #               tests/integrations: Lightning, accelerate, the Hugging Face Trainer
 #   make demo   the main job
@@ -19,7 +20,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
-.PHONY: venv build test test-python test-native test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
+.PHONY: venv build test test-python test-native test-cuda-sim test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
         gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench \
         gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck \
         gpu-prebuild gpu-window clean
@@ -64,8 +65,16 @@ test-native: build
 	for isa in $(ISA_PATHS); do \
 	  case " $$supported " in *" $$isa "*) ;; *) echo "CPU path $$isa: native tests SKIPPED (this CPU lacks it)"; continue;; esac; \
 	  echo "CPU path $$isa: native tests"; \
-	  MPFUSED_CPU_ISA=$$isa ctest --test-dir $(NATIVE_BUILD) --output-on-failure || exit 1; \
+	  MPFUSED_CPU_ISA=$$isa ctest --test-dir $(NATIVE_BUILD) --output-on-failure -LE cuda_sim || exit 1; \
 	done
+	@echo "CUDA simulator: csrc/cuda's kernels on the CPU (AddressSanitizer + UBSan, sm_75, ThreadSanitizer)"
+	ctest --test-dir $(NATIVE_BUILD) --output-on-failure -L cuda_sim -j $(JOBS)
+
+# The CUDA simulator's tests alone (tests/native/cuda_sim): what test-native runs after the native tests.
+test-cuda-sim: build
+	cmake -S . -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release -DMPFUSED_CUDA=OFF "-DMPFUSED_CPU_OBJECTS=$$(cat build/cpu-objects.txt 2>/dev/null)"
+	cmake --build $(NATIVE_BUILD) -j $(JOBS) --target test_cuda_sim_asan test_cuda_sim_sm75 test_cuda_sim_tsan
+	ctest --test-dir $(NATIVE_BUILD) --output-on-failure -L cuda_sim -j $(JOBS)
 
 # The avx512 clones use 512-bit vectors (read from the machine code; no AVX-512 hardware needed).
 isa-check: build

@@ -317,6 +317,15 @@ def test_empty_list_and_empty_tensors_are_no_ops(device):
     assert found.item() == 0.0 and sumsq.item() == 3.0
 
 
+@pytest.mark.parametrize("tensors", [[], [0]], ids=["no-tensors", "empty-tensor"])
+def test_accumulating_call_with_nothing_to_check_still_writes_the_norm(device, tensors):
+    # The norm is sqrt of the sum as it stands, whatever the list holds (it was left unwritten: the torch layer
+    # returned early, and the CUDA backend skipped an empty plan; found by the CUDA simulator, tests/native/cuda_sim).
+    found, sumsq, norm = flag(device), flag(device, 9.0), flag(device, -1.0)
+    mpfused.non_finite_check_([torch.empty(n, device=device) for n in tensors], found, sumsq=sumsq, norm=norm)
+    assert (found.item(), sumsq.item(), norm.item()) == (0.0, 9.0, 3.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_overwrite_mode_replaces_stale_results_and_writes_the_norm(device, dtype):
     tensors = [torch.randn(n, device=device).to(dtype) for n in (3, 70_000, 1000)]

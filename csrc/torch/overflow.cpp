@@ -54,7 +54,9 @@ void check_impl(at::TensorList tensors, const at::Tensor& found_inf, const std::
                          overwrite,
                          norm ? norm->data_ptr<float>() : nullptr,
                          counter_data};
-  if (refs.empty() && !overwrite) return;  // overwrite still writes found_inf = 0 (and sumsq, norm)
+  // Nothing to check and nothing to write: overwrite writes found_inf = 0 (and sumsq, norm), and a norm is
+  // sqrt of the sum as it stands.
+  if (refs.empty() && !overwrite && !norm) return;
 
   // ---- run ----
   if (device.is_cpu()) {

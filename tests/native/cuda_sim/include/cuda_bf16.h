@@ -1,0 +1,3 @@
+// The CUDA simulator stands in for the toolkit header of this name (see ../sim.h).
+#pragma once
+#include "../sim.h"

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Turns a CUDA source of csrc/cuda into C++ for the CUDA simulator (sim.h).
+
+    rewrite.py SOURCE OUTPUT
+
+(CMakeLists.txt names a .cu's output X.cu.cc, so that the C++ compiler takes it as C++.)
+
+Four rewrites, each of which keeps the line count so that compiler messages and sanitizer reports point at
+SOURCE's lines (a #line directive names it):
+  - launches: ``kernel<<<grid, block[, smem[, stream]]>>>(args)`` becomes
+    ``::mpf_sim::launch(kernel, grid, block[, smem[, stream]])(args)``;
+  - ``__shared__ T name[dims];`` becomes a reference to the block's shared slot of that declaration, and
+    ``extern __shared__ __align__(A) T name[];`` a pointer to the block's dynamic shared memory;
+  - the cp.async inline assembly becomes calls of the simulator's cp.async;
+  - a ``const __grid_constant__ T name`` parameter becomes ``const T& name``: read in place, as on the GPU,
+    instead of a copy per thread (up to 32 KB each).
+Any other ``asm`` or ``__shared__`` left over is an error: the simulator would not know what it does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+IDENT = re.compile(r"[A-Za-z0-9_:]")
+
+
+def _kernel_start(text: str, end: int) -> int:
+    """Start of the kernel expression that ends just before ``end`` (an identifier, maybe a template-id)."""
+    i = end
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    if i > 0 and text[i - 1] == ">":  # template arguments: match the angle brackets backwards
+        depth = 0
+        while i > 0:
+            i -= 1
+            c = text[i]
+            if c == ">":
+                depth += 1
+            elif c == "<":
+                depth -= 1
+                if depth == 0:
+                    break
+        if depth != 0:
+            raise ValueError("unbalanced template arguments before a launch")
+    while i > 0 and IDENT.match(text[i - 1]):
+        i -= 1
+    return i
+
+
+def rewrite_launches(text: str) -> str:
+    out = []
+    pos = 0
+    while True:
+        at = text.find("<<<", pos)
+        if at < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        close = text.find(">>>", at)
+        if close < 0:
+            raise ValueError("a launch without >>>")
+        start = _kernel_start(text, at)
+        kernel = text[start:at].strip()
+        if not kernel:
+            raise ValueError("a launch without a kernel expression")
+        config = text[at + 3 : close]
+        out.append(text[pos:start])
+        out.append(f"::mpf_sim::launch({kernel}, {config})")
+        pos = close + 3
+
+
+DYNAMIC_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\((?P<align>\d+)\)\s+)?(?P<type>[A-Za-z_][\w\s:]*?)\s+(?P<name>\w+)\s*\[\s*\]\s*;"
+)
+STATIC_SHARED = re.compile(r"__shared__\s+(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>\w+)\s*(?P<dims>(?:\[[^\]\n]+\]\s*)*);")
+
+
+def rewrite_shared(text: str) -> str:
+    text = DYNAMIC_SHARED.sub(
+        lambda m: f"{m['type']}* {m['name']} = ::mpf_sim::dynamic_shared_as<{m['type']}>({m['align'] or 16});", text
+    )
+    text = STATIC_SHARED.sub(
+        lambda m: f"auto& {m['name']} = ::mpf_sim::shared<{m['type']}{m['dims'].strip()}>([] {{}});", text
+    )
+    if "__shared__" in text:
+        raise ValueError("a __shared__ declaration the rewriter does not understand")
+    return text
+
+
+ASM = re.compile(r'asm\s+volatile\s*\(\s*"(?P<insn>[^"]*)"(?P<operands>[^;]*)\)\s*;')
+OPERAND = re.compile(r'"[a-z]+"\((?P<expr>[^()]*(?:\([^()]*\))?[^()]*)\)')
+
+
+def _asm_call(m: re.Match) -> str:
+    insn = m["insn"].replace("\\n", "").strip().rstrip(";").strip()
+    operands = [o["expr"].strip() for o in OPERAND.finditer(m["operands"])]
+    if insn.startswith("cp.async.cg.shared.global") and insn.endswith("16, %2"):
+        dst, src, size = operands
+        inner = re.fullmatch(r"smem_addr\((.*)\)", dst)
+        if not inner:
+            raise ValueError(f"cp.async destination {dst!r}: expected smem_addr(pointer)")
+        return f"::mpf_sim::cp_async_cg16({inner[1]}, {src}, {size});"
+    if insn == "cp.async.commit_group":
+        return "::mpf_sim::cp_async_commit();"
+    if insn == "cp.async.wait_group %0":
+        return f"::mpf_sim::cp_async_wait({operands[0]});"
+    raise ValueError(f"inline assembly the simulator does not know: {insn!r}")
+
+
+def rewrite_asm(text: str) -> str:
+    text = ASM.sub(_asm_call, text)
+    if re.search(r"\basm\b", text):
+        raise ValueError("an asm statement the rewriter does not understand")
+    return text
+
+
+GRID_CONSTANT = re.compile(r"const\s+__grid_constant__\s+(?P<type>[\w:<>]+)\s+(?P<name>\w+)")
+
+
+def rewrite_grid_constants(text: str) -> str:
+    """A __grid_constant__ parameter is read in place, never copied: a const reference to the launch's copy."""
+    text = GRID_CONSTANT.sub(lambda m: f"const {m['type']}& {m['name']}", text)
+    if "__grid_constant__" in text:
+        raise ValueError("a __grid_constant__ parameter the rewriter does not understand")
+    return text
+
+
+def rewrite(text: str) -> str:
+    return rewrite_grid_constants(rewrite_asm(rewrite_shared(rewrite_launches(text))))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    src, dst = argv[1], argv[2]
+    with open(src, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        body = rewrite(text)
+    except ValueError as e:
+        print(f"{src}: {e}", file=sys.stderr)
+        return 1
+    if body.count("\n") != text.count("\n"):
+        print(f"{src}: the rewrite changed the line count", file=sys.stderr)
+        return 1
+    # Includes by relative path (../kernels.h, ../core/...) resolve against csrc/ on the include path.
+    body = re.sub(r'#include "\.\./', '#include "', body)
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+    tmp = dst + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f'#line 1 "{src}"\n')
+        f.write(body)
+    os.replace(tmp, dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,564 @@
+// The CUDA simulator's engine (sim.h says what it models): the threads of a block are fibers on the calling
+// OS thread, each on a stack of its own, switched by a scheduler at barriers; the blocks of a launch run one
+// after another.
+//
+// Under ThreadSanitizer each fiber is a TSan fiber and a switch at a barrier carries no ordering: only the
+// barrier's release (on arrival) and acquire (on leaving) order the threads, so accesses that no barrier
+// separates are reported as races. The switches that start and end a block do order, so the host's writes
+// before a launch and its reads after are not. Under AddressSanitizer the switches are announced, so that it
+// knows which stack is current.
+#include "sim.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+// Under ThreadSanitizer this file is compiled without instrumentation (with MPF_SIM_TSAN=1): the scheduler's
+// bookkeeping is shared by fibers that nothing orders, by design. Only what a CUDA thread does to memory is
+// instrumented: the kernels, and sim_land.cpp, where a cp.async copy lands as a write of the issuing thread.
+#if defined(__SANITIZE_THREAD__) && !defined(MPF_SIM_TSAN)
+#define MPF_SIM_TSAN 1
+#endif
+#if MPF_SIM_TSAN
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+}
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define MPF_SIM_ASAN 1
+extern "C" {
+void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
+void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+}
+#endif
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+thread_local dim3 blockDim;
+thread_local dim3 gridDim;
+
+// The context switch: saves the callee-saved registers, MXCSR and the x87 control word on the current stack,
+// stores the stack pointer in *save, and continues on the stack `load` (saved by an earlier switch, or
+// prepared by Fiber::Fiber).
+extern "C" void mpf_sim_switch(void** save, void* load);
+asm(R"(
+  .text
+  .globl mpf_sim_switch
+  .type mpf_sim_switch, @function
+mpf_sim_switch:
+  .cfi_startproc
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .cfi_endproc
+  .size mpf_sim_switch, .-mpf_sim_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+
+namespace mpf_sim {
+
+static_assert(kErrorInvalidValue == cudaErrorInvalidValue && kErrorInvalidConfiguration == cudaErrorInvalidConfiguration &&
+                  kErrorLaunchFailure == cudaErrorLaunchFailure,
+              "sim_config.h's error numbers are sim.h's");
+
+thread_local ThreadCtx* tctx = nullptr;
+
+Config& config() {
+  static Config c;
+  return c;
+}
+Stats& stats() {
+  static Stats s;
+  return s;
+}
+
+namespace {
+
+cudaError_t last_error = cudaSuccess;
+
+struct CpCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+};
+
+// A barrier among the threads that have not left it, with an OR of the values they bring.
+struct Barrier {
+  unsigned expected = 0, arrived = 0, acc = 0, done = 0;
+  uint64_t phase = 0;
+  // The waiting threads. A fixed array: under ThreadSanitizer the allocator's interceptors would see a vector
+  // grown by one fiber and freed by another as a race of theirs.
+  Fiber* waiting[1024];
+  unsigned num_waiting = 0;
+  char sync[2];  // TSan: arrivals release, and leavers acquire, the phase's own address
+  uint64_t xchg[32];  // a warp's shuffles: each lane's value, between the shuffle's two barriers
+};
+
+}  // namespace
+
+struct Fiber {
+  enum State { kReady, kWaiting, kDone };
+  static constexpr size_t kStack = 1u << 20;  // kernel arguments (32 KB) are copied onto it, sanitizers pad frames
+  unsigned char* stack = nullptr;             // mmap: a guard page, then kStack bytes
+  void* sp = nullptr;
+  State state = kDone;
+  bool abort = false;  // resumed to unwind: the block is deadlocked
+  ThreadCtx ctx{};
+  uint3 tid{};
+  std::vector<CpCopy> cp_pending;
+  std::vector<std::vector<CpCopy>> cp_groups;
+#if MPF_SIM_TSAN
+  void* tsan = nullptr;
+#endif
+#if MPF_SIM_ASAN
+  void* asan_fake = nullptr;
+#endif
+  Fiber();
+  ~Fiber() { munmap(stack - 4096, kStack + 4096); }
+  const void* stack_bottom() const { return stack; }
+};
+
+struct BlockState {
+  unsigned nthreads = 0;
+  Barrier bar;
+  std::vector<Barrier> warps;
+  std::map<const void*, void*> slots;
+  unsigned char* static_base = nullptr;
+  size_t static_used = 0, static_limit = 0;
+  unsigned char* dynamic_base = nullptr;
+  size_t dynamic_bytes = 0;
+  bool trapped = false;
+  std::string trap_message;
+};
+
+namespace {
+
+// The scheduler: the calling thread's own stack, and the fibers it runs.
+struct Scheduler {
+  void* sp = nullptr;
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  Fiber* current = nullptr;
+  const std::function<void()>* body = nullptr;
+  BlockState* block = nullptr;
+#if MPF_SIM_TSAN
+  void* tsan = nullptr;
+#endif
+#if MPF_SIM_ASAN
+  void* asan_fake = nullptr;
+  const void* asan_bottom = nullptr;
+  size_t asan_size = 0;
+#endif
+};
+Scheduler& sched() {
+  static Scheduler s;
+  return s;
+}
+
+constexpr unsigned kTsanNoSync = 1;
+
+// From the current fiber back to the scheduler. `sync`: the scheduler is ordered after what the fiber did.
+void to_scheduler(Fiber& f, bool sync) {
+  Scheduler& s = sched();
+#if MPF_SIM_TSAN
+  __tsan_switch_to_fiber(s.tsan, sync ? 0 : kTsanNoSync);
+#else
+  (void)sync;
+#endif
+#if MPF_SIM_ASAN
+  __sanitizer_start_switch_fiber(&f.asan_fake, s.asan_bottom, s.asan_size);
+#endif
+  mpf_sim_switch(&f.sp, s.sp);
+#if MPF_SIM_ASAN
+  __sanitizer_finish_switch_fiber(f.asan_fake, &s.asan_bottom, &s.asan_size);
+#endif
+}
+
+// From the scheduler into fiber f. `sync`: the fiber is ordered after what the scheduler did (a block's start).
+void to_fiber(Fiber& f, bool sync) {
+  Scheduler& s = sched();
+  s.current = &f;
+  tctx = &f.ctx;
+  threadIdx = f.tid;
+#if MPF_SIM_TSAN
+  __tsan_switch_to_fiber(f.tsan, sync ? 0 : kTsanNoSync);
+#else
+  (void)sync;
+#endif
+#if MPF_SIM_ASAN
+  __sanitizer_start_switch_fiber(&s.asan_fake, f.stack_bottom(), Fiber::kStack);
+#endif
+  mpf_sim_switch(&s.sp, f.sp);
+#if MPF_SIM_ASAN
+  __sanitizer_finish_switch_fiber(s.asan_fake, nullptr, nullptr);
+#endif
+  tctx = nullptr;
+  s.current = nullptr;
+}
+
+// After a trap: threads not yet started never start; the others are unwound at their next barrier.
+void stop_block(BlockState& b, const std::vector<bool>& started) {
+  for (unsigned t = 0; t < b.nthreads; ++t) {
+    Fiber& f = *sched().fibers[t];
+    if (f.state == Fiber::kDone) continue;
+    if (!started[t]) {
+      f.state = Fiber::kDone;
+    } else {
+      f.abort = true;
+      f.state = Fiber::kReady;
+    }
+  }
+}
+
+void perform(const std::vector<CpCopy>& group) {
+  for (const CpCopy& c : group) land_copy16(c.dst, c.src, c.bytes);
+}
+
+void complete(Barrier& b) {
+  b.done = b.acc;
+  b.acc = 0;
+  b.arrived = 0;
+  ++b.phase;
+  for (unsigned i = 0; i < b.num_waiting; ++i) b.waiting[i]->state = Fiber::kReady;
+  b.num_waiting = 0;
+}
+
+unsigned arrive_and_wait(Barrier& b, unsigned v) {
+  Fiber& f = *sched().current;
+#if MPF_SIM_TSAN
+  char* sync = &b.sync[b.phase & 1];
+  __tsan_release(sync);
+#endif
+  b.acc |= v;
+  if (++b.arrived == b.expected) {
+    complete(b);
+  } else {
+    b.waiting[b.num_waiting++] = &f;
+    f.state = Fiber::kWaiting;
+    to_scheduler(f, false);
+    if (f.abort) throw Trap{"deadlock: the block's threads wait at barriers that cannot complete"};  // or trapped
+  }
+#if MPF_SIM_TSAN
+  __tsan_acquire(sync);
+#endif
+  return b.done;
+}
+
+void leave(Barrier& b) {
+  --b.expected;
+  if (b.arrived > 0 && b.arrived == b.expected) complete(b);
+}
+
+// A fiber's life: run the block's body as thread f.ctx.linear, leave the barriers, wait for the next block.
+[[noreturn]] void fiber_main() {
+#if MPF_SIM_ASAN
+  {
+    Scheduler& s = sched();
+    __sanitizer_finish_switch_fiber(nullptr, &s.asan_bottom, &s.asan_size);
+  }
+#endif
+  for (;;) {
+    Fiber& f = *sched().current;
+    BlockState& b = *f.ctx.block;
+    try {
+      (*sched().body)();
+    } catch (const Trap& t) {
+      if (!b.trapped) {
+        b.trapped = true;
+        b.trap_message = t.what;
+      }
+    }
+    // Copies still in flight land when the thread ends.
+    cp_async_commit();
+    cp_async_wait(0);
+    leave(b.warps[f.ctx.linear / 32]);
+    leave(b.bar);
+    f.state = Fiber::kDone;
+    to_scheduler(f, true);
+  }
+}
+
+std::map<const void*, size_t>& func_attrs() {
+  static std::map<const void*, size_t> m;
+  return m;
+}
+
+}  // namespace
+
+Fiber::Fiber() {
+  void* m = mmap(nullptr, kStack + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::runtime_error("cuda-sim: no memory for a fiber stack");
+  mprotect(m, 4096, PROT_NONE);  // the guard page: an overflowing stack faults
+  stack = static_cast<unsigned char*>(m) + 4096;
+  // The frame mpf_sim_switch pops the first time: MXCSR and control word, six registers, then fiber_main's
+  // address for its `ret`, above a zero return address (stack aligned as after a call).
+  uint64_t* top = reinterpret_cast<uint64_t*>(stack + kStack);
+  *--top = 0;
+  *--top = reinterpret_cast<uint64_t>(&fiber_main);
+  for (int i = 0; i < 6; ++i) *--top = 0;
+  uint32_t mxcsr = 0;
+  uint16_t fpucw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  --top;
+  std::memcpy(reinterpret_cast<unsigned char*>(top), &mxcsr, 4);
+  std::memcpy(reinterpret_cast<unsigned char*>(top) + 4, &fpucw, 2);
+  sp = top;
+#if MPF_SIM_TSAN
+  tsan = __tsan_create_fiber(0);
+#endif
+}
+
+[[noreturn]] void trap(const std::string& why) { throw Trap{why}; }
+
+size_t& func_max_dynamic_smem(const void* kernel) { return func_attrs()[kernel]; }
+
+void sync_block() { arrive_and_wait(tctx->block->bar, 0); }
+unsigned sync_block_or(unsigned v) { return arrive_and_wait(tctx->block->bar, v); }
+
+void sync_warp(unsigned mask) {
+  if (mask != 0xffffffffu) trap("__syncwarp: the simulator supports only the full mask");
+  Barrier& w = tctx->block->warps[tctx->linear / 32];
+  if (w.expected != 32) trap("__syncwarp(0xffffffff) in a warp whose lanes are not all present");
+  arrive_and_wait(w, 0);
+}
+
+uint64_t shfl_exchange(uint64_t bits, unsigned offset, int width) {
+  Barrier& w = tctx->block->warps[tctx->linear / 32];
+  if (w.expected != 32) trap("a full-mask shuffle in a warp whose lanes are not all present");
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) trap("shuffle: width must be a power of 2 up to 32");
+  const unsigned lane = lane_id();
+  w.xchg[lane] = bits;
+  arrive_and_wait(w, 0);
+  const unsigned in_segment = lane % static_cast<unsigned>(width);
+  const uint64_t r = in_segment + offset < static_cast<unsigned>(width) ? w.xchg[lane + offset] : bits;
+  arrive_and_wait(w, 0);
+  return r;
+}
+
+void* shared_slot(const void* site, size_t size, size_t align) {
+  BlockState& b = *tctx->block;
+  auto it = b.slots.find(site);
+  if (it != b.slots.end()) return it->second;
+  const size_t at = (b.static_used + align - 1) / align * align;
+  if (at + size > b.static_limit) trap("static __shared__ memory over its limit (48 KB, or the opt-in limit less the dynamic size)");
+  b.static_used = at + size;
+  void* p = b.static_base + at;
+  // What no thread wrote reads as NaN, -1 or an invalid bool. Byte stores that are no thread's: not memset,
+  // whose interceptor would make the poison a write of the allocating thread under ThreadSanitizer.
+  volatile unsigned char* poison = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < size; ++i) poison[i] = 0xff;
+  b.slots.emplace(site, p);
+  return p;
+}
+
+void* dynamic_shared(size_t align) {
+  BlockState& b = *tctx->block;
+  if (reinterpret_cast<uintptr_t>(b.dynamic_base) % align != 0) trap("dynamic shared memory misaligned");
+  return b.dynamic_base;
+}
+
+void cp_async_cg16(void* dst, const void* src, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0) trap("cp.async: shared destination not 16-byte aligned");
+  if (src_bytes < 0 || src_bytes > 16) trap("cp.async: src-size outside [0, 16]");
+  if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16 != 0) trap("cp.async: global source not 16-byte aligned");
+  BlockState& b = *tctx->block;
+  const unsigned char* d = static_cast<const unsigned char*>(dst);
+  if (d < b.dynamic_base || d + 16 > b.dynamic_base + b.dynamic_bytes)
+    trap("cp.async: destination outside the block's dynamic shared memory");
+  tctx->fiber->cp_pending.push_back(CpCopy{dst, src, src_bytes});
+}
+
+void cp_async_commit() {
+  Fiber& f = *tctx->fiber;
+  f.cp_groups.push_back(std::move(f.cp_pending));
+  f.cp_pending.clear();
+}
+
+void cp_async_wait(int pending) {
+  Fiber& f = *tctx->fiber;
+  const size_t keep = static_cast<size_t>(pending < 0 ? 0 : pending);
+  if (f.cp_groups.size() <= keep) return;
+  const size_t land = f.cp_groups.size() - keep;
+  for (size_t g = 0; g < land; ++g) perform(f.cp_groups[g]);
+  f.cp_groups.erase(f.cp_groups.begin(), f.cp_groups.begin() + static_cast<std::ptrdiff_t>(land));
+}
+
+void run(const LaunchShape& s, const std::function<void()>& body) {
+  const Config& cfg = config();
+  const uint64_t threads = uint64_t{s.block.x} * s.block.y * s.block.z;
+  auto refuse = [](cudaError_t e, const std::string& why) {
+    if (std::getenv("MPF_SIM_VERBOSE")) std::fprintf(stderr, "cuda-sim: launch refused: %s\n", why.c_str());
+    last_error = e;
+  };
+  if (sched().current) trap("a kernel launched from a kernel");
+  if (s.grid.x == 0 || s.grid.y == 0 || s.grid.z == 0 || s.grid.x > 0x7fffffffu || s.grid.y > 65535 || s.grid.z > 65535)
+    return refuse(cudaErrorInvalidConfiguration, "grid outside (2^31 - 1, 65535, 65535)");
+  if (threads == 0 || threads > 1024 || s.block.z > 64) return refuse(cudaErrorInvalidConfiguration, "block size");
+  size_t dyn_limit = cfg.dynamic_smem_default;
+  {
+    auto it = func_attrs().find(s.kernel);
+    if (it != func_attrs().end() && it->second > dyn_limit) dyn_limit = it->second;
+  }
+  if (s.dynamic_smem > dyn_limit) return refuse(cudaErrorInvalidValue, "dynamic shared memory over the function's limit");
+  const size_t param_limit = cfg.driver_version >= 12010 ? 32764 : 4096;
+  if (s.param_bytes > param_limit) return refuse(cudaErrorInvalidValue, "kernel arguments over the driver's limit");
+
+  Scheduler& sc = sched();
+#if MPF_SIM_TSAN
+  if (!sc.tsan) sc.tsan = __tsan_get_current_fiber();
+#endif
+  ++stats().launches;
+  const uint64_t nblocks = uint64_t{s.grid.x} * s.grid.y * s.grid.z;
+  std::vector<uint64_t> order(nblocks);
+  std::iota(order.begin(), order.end(), uint64_t{0});
+  if (cfg.shuffle_blocks) std::shuffle(order.begin(), order.end(), std::mt19937_64(static_cast<uint64_t>(stats().launches)));
+
+  const size_t smem_total = std::max(cfg.smem_optin_limit, size_t{64 * 1024});
+  std::unique_ptr<unsigned char[]> smem(new unsigned char[smem_total + 256]);
+  unsigned char* base = smem.get() + (256 - reinterpret_cast<uintptr_t>(smem.get()) % 256);
+  const unsigned nthreads = static_cast<unsigned>(threads);
+  while (sc.fibers.size() < nthreads) sc.fibers.emplace_back(new Fiber());
+  blockDim = s.block;
+  gridDim = s.grid;
+
+  uint64_t count = 0;
+  for (uint64_t linear_block : order) {
+    BlockState b;
+    b.nthreads = nthreads;
+    b.bar.expected = nthreads;
+    const unsigned nwarps = (nthreads + 31) / 32;
+    b.warps.resize(nwarps);
+    for (unsigned w = 0; w < nwarps; ++w) b.warps[w].expected = std::min(32u, nthreads - 32 * w);
+    std::memset(base, 0xff, s.dynamic_smem);  // as static slots are when allocated: NaN, -1 or an invalid bool
+    b.dynamic_base = base;
+    b.dynamic_bytes = s.dynamic_smem;
+    const size_t static_at = (s.dynamic_smem + 127) / 128 * 128;
+    b.static_base = base + static_at;
+    b.static_limit = std::min(cfg.static_smem_limit, cfg.smem_optin_limit - std::min(cfg.smem_optin_limit, static_at));
+    blockIdx = uint3{static_cast<unsigned>(linear_block % s.grid.x), static_cast<unsigned>(linear_block / s.grid.x % s.grid.y),
+                     static_cast<unsigned>(linear_block / (uint64_t{s.grid.x} * s.grid.y))};
+    ++stats().blocks;
+    sc.body = &body;
+    sc.block = &b;
+    for (unsigned t = 0; t < nthreads; ++t) {
+      Fiber& f = *sc.fibers[t];
+      f.state = Fiber::kReady;
+      f.abort = false;
+      f.ctx = ThreadCtx{&b, &f, t};
+      f.tid = uint3{t % s.block.x, t / s.block.x % s.block.y, t / (s.block.x * s.block.y)};
+      f.cp_pending.clear();
+      f.cp_groups.clear();
+    }
+    // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next block.
+    const bool reverse = (count++ & 1u) != 0;
+    std::vector<bool> started(nthreads, false);
+    for (;;) {
+      bool ran = false, waiting = false;
+      for (unsigned i = 0; i < nthreads; ++i) {
+        Fiber& f = *sc.fibers[reverse ? nthreads - 1 - i : i];
+        if (f.state == Fiber::kReady) {
+          const unsigned t = f.ctx.linear;
+          to_fiber(f, !started[t]);
+          started[t] = true;
+          ran = true;
+          if (b.trapped) stop_block(b, started);  // a trap ends the whole grid: no thread goes on
+        }
+        waiting = waiting || f.state == Fiber::kWaiting;
+      }
+      if (ran) continue;
+      if (!waiting) break;
+      // Nothing can run and some threads wait: unwind them with a trap.
+      for (unsigned i = 0; i < nthreads; ++i) {
+        Fiber& f = *sc.fibers[i];
+        if (f.state == Fiber::kWaiting) {
+          f.abort = true;
+          f.state = Fiber::kReady;
+        }
+      }
+    }
+    sc.body = nullptr;
+    sc.block = nullptr;
+    if (b.trapped) {
+      std::fprintf(stderr, "cuda-sim: block (%u, %u, %u) trapped: %s\n", blockIdx.x, blockIdx.y, blockIdx.z, b.trap_message.c_str());
+      last_error = cudaErrorLaunchFailure;
+      return;
+    }
+  }
+}
+
+}  // namespace mpf_sim
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = mpf_sim::last_error;
+  mpf_sim::last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return mpf_sim::last_error; }
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0) return cudaErrorInvalidValue;
+  const mpf_sim::Config& c = mpf_sim::config();
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = c.sms; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = c.cc_major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = c.cc_minor; return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t cudaDriverGetVersion(int* version) {
+  *version = mpf_sim::config().driver_version;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}

@@ -1,0 +1,369 @@
+// mpfused's CUDA simulator: csrc/cuda's kernels compiled as C++ and run on the CPU, one fiber (a stack of its
+// own, switched cooperatively on one OS thread) per CUDA thread, so that their indexing, synchronisation and
+// launch configurations are tested on machines without a GPU (and under AddressSanitizer/UBSan for
+// out-of-bounds and misaligned accesses, ThreadSanitizer for shared-memory races and missing barriers).
+//
+// What it models, and how strictly:
+//   - a block's threads each run to their next barrier in turn (in thread order, then in reverse order in
+//     the next block); __syncthreads, __syncthreads_or, __syncwarp and __shfl_down_sync are real barriers
+//     among them (a thread that has returned leaves them, as on the GPU). Threads that all wait at barriers
+//     that cannot complete (a barrier inside a branch some threads skip) are reported as a deadlock. Under
+//     ThreadSanitizer each thread is a fiber of its own and only the barriers order them, so an access to
+//     shared or global memory that no barrier separates from another thread's write is reported;
+//   - blocks run one after another, in a shuffled order (any order is legal on a GPU);
+//   - __shared__ memory is per block and filled with 0xFF bytes (NaN, -1, an invalid bool) when the block
+//     starts, so reading what no thread wrote shows; static shared memory is limited to 48 KB, dynamic
+//     shared memory to 48 KB unless cudaFuncSetAttribute raised the limit (at most the arch's opt-in limit);
+//   - launch limits: grid.x < 2^31, grid.y and grid.z <= 65535, at most 1024 threads a block, kernel
+//     arguments of at most 4 KB (32764 bytes with a driver of CUDA 12.1 or newer);
+//   - cp.async copies land only when a cp.async.wait_group lets them (their source and destination must be
+//     16-byte aligned); wmma fragments check the 32-byte alignment of their pointers and the leading
+//     dimension, and each lane owns a share of an accumulator (stores write only the lane's share, as on
+//     the GPU, where the lanes of a warp together hold a fragment);
+//   - __trap() ends the launch with an error that cudaGetLastError reports (cudaErrorLaunchFailure).
+// What it does not model: concurrency between blocks and between streams (everything runs synchronously,
+// on the calling thread's "stream"), the memory model's weak orderings, timing, warp-synchronous execution
+// (which the kernels must not rely on), and the tensor cores' own rounding (products are summed in FP32 in
+// k order). Device memory is host memory.
+//
+// The .cu files are compiled as C++ after tests/native/cuda_sim/rewrite.py has turned launches
+// (kernel<<<grid, block, smem, stream>>>(args)), __shared__ declarations and the cp.async assembly into
+// calls of this header.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "sim_config.h"
+
+// ---- qualifiers ---------------------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __align__(n) alignas(n)
+
+// ---- vector types -------------------------------------------------------------------------------------------
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(8) float2 {
+  float x, y;
+};
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+
+namespace mpf_sim {
+
+struct Trap {
+  std::string what;
+};
+[[noreturn]] void trap(const std::string& why);
+
+// ---- the executing thread ---------------------------------------------------------------------------------
+struct BlockState;
+struct Fiber;
+struct ThreadCtx {
+  BlockState* block;
+  Fiber* fiber;
+  unsigned linear;  // the thread's index in its block
+};
+extern thread_local ThreadCtx* tctx;
+inline unsigned lane_id() { return tctx->linear & 31u; }
+
+void sync_block();
+unsigned sync_block_or(unsigned v);
+void sync_warp(unsigned mask);
+uint64_t shfl_exchange(uint64_t bits, unsigned src_lane_offset, int width);  // the value of lane + offset
+void* shared_slot(const void* site, size_t size, size_t align);
+void* dynamic_shared(size_t align);
+
+// cp.async: 16 bytes, of which the first src_bytes come from src, the rest zero.
+void cp_async_cg16(void* dst, const void* src, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
+void land_copy16(void* dst, const void* src, int src_bytes);  // sim_land.cpp
+
+// Statically allocated __shared__ variables: one per declaration (and per instantiation of the enclosing
+// template, which the lambda's type tells apart) and per block.
+template <class T, class Site>
+T& shared(Site) {
+  static const char site = 0;
+  return *static_cast<T*>(shared_slot(&site, sizeof(T), alignof(T)));
+}
+template <class T>
+T* dynamic_shared_as(size_t align) {
+  return static_cast<T*>(dynamic_shared(align));
+}
+
+// ---- launches -----------------------------------------------------------------------------------------------
+struct LaunchShape {
+  dim3 grid, block;
+  size_t dynamic_smem;
+  size_t param_bytes;
+  const void* kernel;
+};
+// Checks the shape; runs body(linear thread index) for every thread of every block. False (with the
+// thread's last CUDA error set) when the launch is refused or trapped.
+void run(const LaunchShape& shape, const std::function<void()>& body);
+
+template <class T>
+constexpr size_t param_size_step(size_t at) {
+  return (at + alignof(T) - 1) / alignof(T) * alignof(T) + sizeof(T);
+}
+template <class... P>
+constexpr size_t param_bytes() {
+  size_t at = 0;
+  ((at = param_size_step<std::decay_t<P>>(at)), ...);
+  return at;
+}
+
+template <class... P>
+struct Launcher {
+  void (*kernel)(P...);
+  LaunchShape shape;
+  template <class... A>
+  void operator()(A&&... args) const {
+    static_assert(sizeof...(A) == sizeof...(P), "a launch passes every kernel argument");
+    // Converted as for a call, once, like the launch's copy into the parameter space.
+    const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    run(shape, [&] { std::apply(kernel, params); });
+  }
+};
+
+template <class... P>
+Launcher<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t dynamic_smem = 0, void* stream = nullptr) {
+  (void)stream;
+  return Launcher<P...>{kernel, LaunchShape{grid, block, dynamic_smem, param_bytes<P...>(), reinterpret_cast<const void*>(kernel)}};
+}
+
+size_t& func_max_dynamic_smem(const void* kernel);
+
+}  // namespace mpf_sim
+
+// ---- device functions ---------------------------------------------------------------------------------------
+inline void __syncthreads() { mpf_sim::sync_block(); }
+inline int __syncthreads_or(int v) { return static_cast<int>(mpf_sim::sync_block_or(v != 0 ? 1u : 0u)); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { mpf_sim::sync_warp(mask); }
+// Blocks run in turn, so a fence orders nothing the simulator does not already order (ThreadSanitizer does not
+// model standalone fences: there it is a compiler barrier).
+#if defined(__SANITIZE_THREAD__)
+inline void __threadfence() { asm volatile("" ::: "memory"); }
+#else
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+#endif
+[[noreturn]] inline void __trap() { mpf_sim::trap("__trap() in a kernel"); }
+
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move up to 8 bytes");
+  if (mask != 0xffffffffu) mpf_sim::trap("__shfl_down_sync: the simulator supports only the full mask");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  bits = mpf_sim::shfl_exchange(bits, delta, width);
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+
+template <class T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+
+inline float __uint_as_float(unsigned int u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+// IEEE operations, each rounded to nearest even (the simulator is compiled with -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<uint64_t>(a) * b) >> 32);
+}
+
+// ---- FP16 and BF16: conversions by the CPU's F16C unit (IEEE round to nearest even) --------------------------
+struct __half {
+  unsigned short __x;
+};
+struct __nv_bfloat16 {
+  unsigned short __x;
+};
+inline float __half2float(__half h) { return _cvtsh_ss(h.__x); }
+inline __half __float2half_rn(float f) { return __half{static_cast<unsigned short>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))}; }
+inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
+inline unsigned short __half_as_ushort(__half h) { return h.__x; }
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<unsigned int>(h.__x) << 16); }
+
+// ---- nvcuda::wmma for 16 x 16 x 16 tiles of FP16/BF16 with an FP32 accumulator --------------------------------
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment;
+
+// An operand: every lane holds the whole tile (a lane's share on the GPU is unspecified; the MMA needs all).
+template <class Use, class T, class Layout>
+struct operand_fragment {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "FP16/BF16 operands");
+  float v[16 * 16];  // (row, col) of the 16 x 16 tile, row-major; exact widenings
+};
+template <class T, class Layout>
+struct fragment<matrix_a, 16, 16, 16, T, Layout> : operand_fragment<matrix_a, T, Layout> {};
+template <class T, class Layout>
+struct fragment<matrix_b, 16, 16, 16, T, Layout> : operand_fragment<matrix_b, T, Layout> {};
+// The accumulator: lane l owns the elements e = l, l + 32, ... of the row-major tile.
+template <>
+struct fragment<accumulator, 16, 16, 16, float, void> {
+  float v[16 * 16];
+};
+
+inline void check_fragment_pointer(const void* p, unsigned ldm, unsigned elem_bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) mpf_sim::trap(std::string(what) + ": pointer not 32-byte aligned");
+  if ((ldm * elem_bytes) % 16 != 0) mpf_sim::trap(std::string(what) + ": ldm not a multiple of 16 bytes");
+}
+
+inline float widen(__half h) { return __half2float(h); }
+inline float widen(__nv_bfloat16 h) { return __bfloat162float(h); }
+
+template <class Use, class T, class Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  static_assert(std::is_same_v<Use, matrix_a> || std::is_same_v<Use, matrix_b>, "operands only");
+  check_fragment_pointer(p, ldm, sizeof(T), "wmma::load_matrix_sync");
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c)
+      f.v[r * 16 + c] = widen(std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r]);
+}
+
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float, void>& f, float value) {
+  for (float& x : f.v) x = value;
+}
+
+template <class T, class LA, class LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float, void>& c) {
+  for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
+    const int r = static_cast<int>(e / 16), col = static_cast<int>(e % 16);
+    float s = c.v[e];
+    for (int k = 0; k < 16; ++k) s += a.v[r * 16 + k] * b.v[k * 16 + col];  // products of 16-bit values: exact
+    d.v[e] = s;
+  }
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float, void>& f, unsigned ldm,
+                              layout_t layout) {
+  check_fragment_pointer(p, ldm, 4, "wmma::store_matrix_sync");
+  for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
+    const unsigned r = e / 16, c = e % 16;
+    p[layout == mem_row_major ? r * ldm + c : c * ldm + r] = f.v[e];
+  }
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
+
+// ---- the runtime API ------------------------------------------------------------------------------------------
+#define CUDART_VERSION 13000
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchOutOfResources = 701,
+  cudaErrorLaunchFailure = 719,
+};
+using cudaError = cudaError_t;
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+};
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes;
+  int maxThreadsPerBlock;
+  int numRegs;
+  int ptxVersion;
+  int binaryVersion;
+};
+
+const char* cudaGetErrorString(cudaError_t e);
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t cudaDriverGetVersion(int* version);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr);
+
+template <class... P>
+cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      static_cast<size_t>(value) > mpf_sim::config().smem_optin_limit)
+    return cudaErrorInvalidValue;
+  mpf_sim::func_max_dynamic_smem(reinterpret_cast<const void*>(kernel)) = static_cast<size_t>(value);
+  return cudaSuccess;
+}
+template <class... P>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, void (*)(P...)) {
+  *attr = cudaFuncAttributes{0, 1024, 0, __CUDA_ARCH__ / 10, __CUDA_ARCH__ / 10};
+  return cudaSuccess;
+}
