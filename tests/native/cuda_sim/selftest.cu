@@ -47,6 +47,15 @@ __global__ void traps(int* out) {
 
 __global__ void grid_y(int* out) { out[blockIdx.y] = 1; }
 
+// Reads past a 32-element shared array, through a pointer (UBSan's bound check sees only array indexing).
+__global__ void shared_overrun(int* out, int index) {
+  __shared__ int a[32];
+  int* p = a;
+  p[threadIdx.x] = 1;
+  __syncthreads();
+  if (threadIdx.x == 0) *out = p[index];
+}
+
 }  // namespace
 
 // Each returns the launch's cudaError_t (as int).
@@ -70,6 +79,11 @@ int run_traps(int* out) {
 }
 int run_grid_y(int* out, unsigned blocks_y) {
   grid_y<<<dim3(1, blocks_y), 1>>>(out);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int run_shared_overrun(int* out, int index) {
+  shared_overrun<<<1, 32>>>(out, index);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -40,8 +40,34 @@ void __tsan_release(void* addr);
 extern "C" {
 void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+void __asan_poison_memory_region(void const volatile* addr, size_t size);
+void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 }
 #endif
+
+namespace {
+// Shared memory outside the launch's dynamic size and the static slots allocated so far is poisoned under
+// AddressSanitizer, with a gap after each: an access out of a shared array is reported.
+void smem_poison(const void* p, size_t n) {
+#if MPF_SIM_ASAN
+  __asan_poison_memory_region(p, n);
+#else
+  (void)p, (void)n;
+#endif
+}
+void smem_unpoison(const void* p, size_t n) {
+#if MPF_SIM_ASAN
+  __asan_unpoison_memory_region(p, n);
+#else
+  (void)p, (void)n;
+#endif
+}
+#if MPF_SIM_TSAN
+// Every thread releases this when it ends and the scheduler acquires it after the block: the next block is
+// ordered after this one, but the threads of one block are not ordered by their start and end.
+char block_end;
+#endif
+}  // namespace
 
 thread_local uint3 threadIdx;
 thread_local uint3 blockIdx;
@@ -248,15 +274,20 @@ void complete(Barrier& b) {
   b.acc = 0;
   b.arrived = 0;
   ++b.phase;
-  for (unsigned i = 0; i < b.num_waiting; ++i) b.waiting[i]->state = Fiber::kReady;
+  for (unsigned i = 0; i < b.num_waiting; ++i)
+    if (b.waiting[i]->state == Fiber::kWaiting) b.waiting[i]->state = Fiber::kReady;
   b.num_waiting = 0;
 }
 
-unsigned arrive_and_wait(Barrier& b, unsigned v) {
+// `orders_memory`: a barrier orders the threads' memory accesses (__syncthreads, __syncwarp); a shuffle's
+// exchange does not.
+unsigned arrive_and_wait(Barrier& b, unsigned v, bool orders_memory = true) {
   Fiber& f = *sched().current;
 #if MPF_SIM_TSAN
   char* sync = &b.sync[b.phase & 1];
-  __tsan_release(sync);
+  if (orders_memory) __tsan_release(sync);
+#else
+  (void)orders_memory;
 #endif
   b.acc |= v;
   if (++b.arrived == b.expected) {
@@ -265,10 +296,18 @@ unsigned arrive_and_wait(Barrier& b, unsigned v) {
     b.waiting[b.num_waiting++] = &f;
     f.state = Fiber::kWaiting;
     to_scheduler(f, false);
-    if (f.abort) throw Trap{"deadlock: the block's threads wait at barriers that cannot complete"};  // or trapped
+    if (f.abort) {  // the block is deadlocked or trapped: leave this barrier unwound, as if never arrived
+      for (unsigned i = 0; i < b.num_waiting; ++i)
+        if (b.waiting[i] == &f) {
+          b.waiting[i] = b.waiting[--b.num_waiting];
+          --b.arrived;
+          break;
+        }
+      throw Trap{"deadlock: the block's threads wait at barriers that cannot complete"};
+    }
   }
 #if MPF_SIM_TSAN
-  __tsan_acquire(sync);
+  if (orders_memory) __tsan_acquire(sync);
 #endif
   return b.done;
 }
@@ -303,7 +342,10 @@ void leave(Barrier& b) {
     leave(b.warps[f.ctx.linear / 32]);
     leave(b.bar);
     f.state = Fiber::kDone;
-    to_scheduler(f, true);
+#if MPF_SIM_TSAN
+    __tsan_release(&block_end);
+#endif
+    to_scheduler(f, false);
   }
 }
 
@@ -358,10 +400,10 @@ uint64_t shfl_exchange(uint64_t bits, unsigned offset, int width) {
   if (width <= 0 || width > 32 || (width & (width - 1)) != 0) trap("shuffle: width must be a power of 2 up to 32");
   const unsigned lane = lane_id();
   w.xchg[lane] = bits;
-  arrive_and_wait(w, 0);
+  arrive_and_wait(w, 0, false);
   const unsigned in_segment = lane % static_cast<unsigned>(width);
   const uint64_t r = in_segment + offset < static_cast<unsigned>(width) ? w.xchg[lane + offset] : bits;
-  arrive_and_wait(w, 0);
+  arrive_and_wait(w, 0, false);
   return r;
 }
 
@@ -369,10 +411,12 @@ void* shared_slot(const void* site, size_t size, size_t align) {
   BlockState& b = *tctx->block;
   auto it = b.slots.find(site);
   if (it != b.slots.end()) return it->second;
-  const size_t at = (b.static_used + align - 1) / align * align;
+  const size_t a = align < 8 ? 8 : align;
+  const size_t at = (b.static_used + 32 + a - 1) / a * a;  // a poisoned gap of at least 32 bytes before each
   if (at + size > b.static_limit) trap("static __shared__ memory over its limit (48 KB, or the opt-in limit less the dynamic size)");
   b.static_used = at + size;
   void* p = b.static_base + at;
+  smem_unpoison(p, size);
   // What no thread wrote reads as NaN, -1 or an invalid bool. Byte stores that are no thread's: not memset,
   // whose interceptor would make the poison a write of the allocating thread under ThreadSanitizer.
   volatile unsigned char* poison = static_cast<unsigned char*>(p);
@@ -390,11 +434,14 @@ void* dynamic_shared(size_t align) {
 void cp_async_cg16(void* dst, const void* src, int src_bytes) {
   if (reinterpret_cast<uintptr_t>(dst) % 16 != 0) trap("cp.async: shared destination not 16-byte aligned");
   if (src_bytes < 0 || src_bytes > 16) trap("cp.async: src-size outside [0, 16]");
-  if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16 != 0) trap("cp.async: global source not 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0) trap("cp.async: global source not 16-byte aligned");
   BlockState& b = *tctx->block;
   const unsigned char* d = static_cast<const unsigned char*>(dst);
   if (d < b.dynamic_base || d + 16 > b.dynamic_base + b.dynamic_bytes)
     trap("cp.async: destination outside the block's dynamic shared memory");
+  // Until its wait_group the copy may land at any time: the destination reads as garbage (a write of this
+  // thread's, which ThreadSanitizer sees), and the data arrives at the wait.
+  land_poison16(dst);
   tctx->fiber->cp_pending.push_back(CpCopy{dst, src, src_bytes});
 }
 
@@ -451,7 +498,6 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
   blockDim = s.block;
   gridDim = s.grid;
 
-  uint64_t count = 0;
   for (uint64_t linear_block : order) {
     BlockState b;
     b.nthreads = nthreads;
@@ -459,10 +505,12 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
     const unsigned nwarps = (nthreads + 31) / 32;
     b.warps.resize(nwarps);
     for (unsigned w = 0; w < nwarps; ++w) b.warps[w].expected = std::min(32u, nthreads - 32 * w);
+    smem_poison(base, smem_total);
+    smem_unpoison(base, s.dynamic_smem);
     std::memset(base, 0xff, s.dynamic_smem);  // as static slots are when allocated: NaN, -1 or an invalid bool
     b.dynamic_base = base;
     b.dynamic_bytes = s.dynamic_smem;
-    const size_t static_at = (s.dynamic_smem + 127) / 128 * 128;
+    const size_t static_at = (s.dynamic_smem + 64 + 127) / 128 * 128;  // a poisoned gap after the dynamic part
     b.static_base = base + static_at;
     b.static_limit = std::min(cfg.static_smem_limit, cfg.smem_optin_limit - std::min(cfg.smem_optin_limit, static_at));
     blockIdx = uint3{static_cast<unsigned>(linear_block % s.grid.x), static_cast<unsigned>(linear_block / s.grid.x % s.grid.y),
@@ -479,8 +527,9 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       f.cp_pending.clear();
       f.cp_groups.clear();
     }
-    // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next block.
-    const bool reverse = (count++ & 1u) != 0;
+    // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next block
+    // (counted over all launches, so that one-block launches take both orders too).
+    const bool reverse = (stats().blocks & 1) == 0;
     std::vector<bool> started(nthreads, false);
     for (;;) {
       bool ran = false, waiting = false;
@@ -508,12 +557,17 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
     }
     sc.body = nullptr;
     sc.block = nullptr;
+#if MPF_SIM_TSAN
+    __tsan_acquire(&block_end);
+#endif
     if (b.trapped) {
       std::fprintf(stderr, "cuda-sim: block (%u, %u, %u) trapped: %s\n", blockIdx.x, blockIdx.y, blockIdx.z, b.trap_message.c_str());
       last_error = cudaErrorLaunchFailure;
+      smem_unpoison(base, smem_total);
       return;
     }
   }
+  smem_unpoison(base, smem_total);
 }
 
 }  // namespace mpf_sim

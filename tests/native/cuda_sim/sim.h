@@ -20,11 +20,19 @@
 //     16-byte aligned); wmma fragments check the 32-byte alignment of their pointers and the leading
 //     dimension, and each lane owns a share of an accumulator (stores write only the lane's share, as on
 //     the GPU, where the lanes of a warp together hold a fragment);
-//   - __trap() ends the launch with an error that cudaGetLastError reports (cudaErrorLaunchFailure).
+//   - __trap() ends the block's threads and the launch, with an error that cudaGetLastError reports at once
+//     (cudaErrorLaunchFailure). On a GPU the launch itself succeeds: the next synchronising call fails, and
+//     the context (the process's CUDA state) is lost;
+//   - a cp.async destination holds garbage (0xFF bytes, written by the issuing thread) from the copy's issue to
+//     the wait_group that lands it;
+//   - under AddressSanitizer, shared memory outside the launch's dynamic size and the static arrays is
+//     poisoned, so an access out of a shared array is reported.
 // What it does not model: concurrency between blocks and between streams (everything runs synchronously,
-// on the calling thread's "stream"), the memory model's weak orderings, timing, warp-synchronous execution
-// (which the kernels must not rely on), and the tensor cores' own rounding (products are summed in FP32 in
-// k order). Device memory is host memory.
+// on the calling thread's "stream"; the kernels' last-block handshakes are checked by reading them), the memory
+// model's weak orderings, timing, warp-synchronous execution (which the kernels must not rely on), the tensor
+// cores' own rounding (products are summed in FP32 in k order), the device's libm (expf, erff, pow: the host's
+// here), nvcc's contraction of a * b + c into FMAs, partial warp masks (they trap here), and __launch_bounds__.
+// Device memory is host memory.
 //
 // The .cu files are compiled as C++ after tests/native/cuda_sim/rewrite.py has turned launches
 // (kernel<<<grid, block, smem, stream>>>(args)), __shared__ declarations and the cp.async assembly into
@@ -115,6 +123,7 @@ void cp_async_cg16(void* dst, const void* src, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
 void land_copy16(void* dst, const void* src, int src_bytes);  // sim_land.cpp
+void land_poison16(void* dst);
 
 // Statically allocated __shared__ variables: one per declaration (and per instantiation of the enclosing
 // template, which the lambda's type tells apart) and per block.
@@ -237,7 +246,11 @@ struct __nv_bfloat16 {
   unsigned short __x;
 };
 inline float __half2float(__half h) { return _cvtsh_ss(h.__x); }
-inline __half __float2half_rn(float f) { return __half{static_cast<unsigned short>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))}; }
+// A NaN becomes the canonical 0x7FFF, as cvt.rn.f16.f32 gives on the GPU (F16C would keep the payload).
+inline __half __float2half_rn(float f) {
+  if (std::isnan(f)) return __half{0x7fff};
+  return __half{static_cast<unsigned short>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+}
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.__x; }
 inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<unsigned int>(h.__x) << 16); }
