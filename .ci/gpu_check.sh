@@ -239,11 +239,21 @@ stage_sanitize() {
   # torch's caching allocator is off, so that an access past a tensor's end lands outside any allocation
   # (inside a cached block memcheck cannot see it). If this compute-sanitizer refuses the filter, every
   # kernel is instrumented and the log says so.
-  local filter=(--kernel-name kns=mpf)
-  if ! "$sanitizer" "${filter[@]}" --tool memcheck --error-exitcode 1 "$PY" -c "pass" >/dev/null 2>&1; then
-    echo "compute-sanitizer rejected '${filter[*]}': instrumenting every kernel"
-    filter=()
-  fi
+  # The filter's spelling differs between releases: the first form this one accepts is used (each refusal's
+  # first lines are logged). The probe makes one CUDA call: a program that makes none fails under the tool
+  # ("terminated before first instrumented API call"), whatever the filter (the H200 run of 2026-11-27).
+  local filter=() form why
+  for form in "--kernel-name kns=mpf" "--kernel-regex kns=mpf"; do
+    # shellcheck disable=SC2086
+    if why=$("$sanitizer" $form --tool "$tool" --error-exitcode 1 \
+               "$PY" -c "import torch; torch.zeros(1, device='cuda')" 2>&1); then
+      read -r -a filter <<<"$form"
+      echo "compute-sanitizer filter: $form"
+      break
+    fi
+    echo "compute-sanitizer refused '$form': $(printf '%s\n' "$why" | grep -v '^\s*$' | head -n 2 | tr '\n' ' ')"
+  done
+  [ ${#filter[@]} -gt 0 ] || echo "no kernel filter accepted: instrumenting every kernel"
   local log="$LOGS/${LABEL:-sanitize-$tool}.pytest.log"
   # Deselected: launch counts seen by the profiler (none under the sanitizer), gigabyte tensors, and the
   # test whose kernel traps on purpose. The pytest workers are processes of their own, which

@@ -111,7 +111,7 @@ import torch
 import mpfused
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD
 
-from .bench_overflow import model_like_sizes
+from .bench_overflow import model_like_sizes, torch_amp_unscale
 from .goals import goal
 from .harness import (
     GB,
@@ -260,6 +260,7 @@ def counted(fn: Callable[[], object], calls: list) -> Callable[[], object]:
     def run() -> object:
         calls[0] += 1
         return fn()
+    run.__dict__.update(fn.__dict__)  # (attributes such as bench_scaler's ``standin`` travel along)
     return run
 
 
@@ -546,8 +547,10 @@ def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
                 topt.step()
         how = f"foreach=True + host check of found_inf (fused n/a: {fused_reason})"
 
+    amp_unscale = torch_amp_unscale(device, lp_grads[0].dtype if lp_grads else torch.float32)
+
     def torch_o2() -> None:
-        torch._amp_foreach_non_finite_check_and_unscale_(lp_grads, found_t, inv_scales[toggle[0]])  # (a)
+        amp_unscale(lp_grads, found_t, inv_scales[toggle[0]])  # (a)
         toggle[0] ^= 1
         torch._foreach_copy_(master_grads, lp_grads)  # (b)
         step_masters()  # (c)

@@ -168,6 +168,27 @@ def torch_total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)))
 
 
+def torch_amp_unscale(device: torch.device, dtype: torch.dtype) -> Callable[..., None]:
+    """torch's ``_amp_foreach_non_finite_check_and_unscale_`` where it has ``dtype`` on ``device``; else (BF16
+    on CUDA: torch 2.11 raises NotImplementedError) the same job from torch's foreach ops: ``_foreach_norm``
+    of order inf (inf/NaN propagate), ``isfinite``, the flag raised on the device, ``_foreach_mul_`` by the
+    inverse scale. Which one runs is printed."""
+    probe = torch.ones(1, dtype=dtype, device=device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_([probe], scalar(0.0, device), scalar(1.0, device))
+        return torch._amp_foreach_non_finite_check_and_unscale_
+    except NotImplementedError as e:
+        print_text(f"{dtype} on {device.type}: torch's amp kernel is missing ({str(e).splitlines()[0]}); the torch "
+                   "rows run its foreach equivalent (_foreach_norm(inf) -> isfinite -> flag, _foreach_mul_)")
+
+    def foreach_equivalent(grads: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor) -> None:
+        norms = torch._foreach_norm(grads, float("inf"))
+        bad = torch.stack(norms).isfinite().all().logical_not()
+        torch.maximum(found, bad.to(found.dtype), out=found)
+        torch._foreach_mul_(grads, inv.reshape(()))
+    return foreach_equivalent
+
+
 @dataclass(frozen=True)
 class Method:
     """One measured way of doing a task on the list."""
@@ -184,6 +205,7 @@ def make_methods(grads: list[torch.Tensor], device: torch.device) -> list[Method
     sumsq = scalar(0.0, device)
     one = scalar(1.0, device)
     inv = scalar(1.0 / LOSS_SCALE, device)
+    amp_unscale = torch_amp_unscale(device, grads[0].dtype if grads else torch.float32)
     toggle = ScaleToggle(device)
 
     def isfinite_loop() -> None:
@@ -191,22 +213,22 @@ def make_methods(grads: list[torch.Tensor], device: torch.device) -> list[Method
             found_bool.logical_or_(torch.isfinite(t).all().logical_not_())
 
     def torch_check_norm() -> torch.Tensor:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        amp_unscale(grads, found, one)
         return torch_total_norm(grads)
 
     def torch_unscale_norm() -> torch.Tensor:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, toggle())
+        amp_unscale(grads, found, toggle())
         return torch_total_norm(grads)
 
     return [
         Method(TASK_CHECK, OURS_CHECK, lambda: mpfused.non_finite_check_(grads, found)),
-        Method(TASK_CHECK, TORCH_CHECK, lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)),
+        Method(TASK_CHECK, TORCH_CHECK, lambda: amp_unscale(grads, found, one)),
         Method(TASK_CHECK, TORCH_LOOP, isfinite_loop),
         Method(TASK_SUMSQ, OURS_SUMSQ, lambda: mpfused.non_finite_check_(grads, found, inv, sumsq=sumsq)),
         Method(TASK_SUMSQ, TORCH_CHECK_NORM, torch_check_norm),
         Method(TASK_UNSCALE, OURS_UNSCALE, lambda: mpfused.non_finite_check_(grads, found, toggle(), unscale=True)),
         Method(TASK_UNSCALE, TORCH_UNSCALE,
-               lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, toggle())),
+               lambda: amp_unscale(grads, found, toggle())),
         Method(TASK_UNSCALE_SUMSQ, OURS_UNSCALE_SUMSQ,
                lambda: mpfused.non_finite_check_(grads, found, toggle(), unscale=True, sumsq=sumsq)),
         Method(TASK_UNSCALE_SUMSQ, TORCH_UNSCALE_NORM, torch_unscale_norm),

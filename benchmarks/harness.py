@@ -170,9 +170,11 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int, repe
                             min_repeats=min_repeats)[0]
 
 
-def count_cuda_kernels(fn: Callable[[], object], device: torch.device) -> Optional[int]:
+def count_cuda_kernels(fn: Callable[[], object], device: torch.device,
+                       names: Optional[dict[str, int]] = None) -> Optional[int]:
     """Number of CUDA kernels one call of ``fn`` launches, counted with ``torch.profiler`` (memsets and
-    memcpys excluded). None on a device other than CUDA."""
+    memcpys excluded). None on a device other than CUDA. ``names``, where given, gets each kernel's name
+    and how often it ran."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -182,14 +184,23 @@ def count_cuda_kernels(fn: Callable[[], object], device: torch.device) -> Option
         fn()
         torch.cuda.synchronize(device)
     count = 0
-    for event in prof.events():
+    events = prof.events()
+    # A record_function range (the optimizers' "Optimizer.step#...") is mirrored on the GPU's timeline as a
+    # user annotation with the CPU range's name: not a kernel (the H200 run of 2026-11-27 counted one).
+    cpu_names = {e.name for e in events if e.device_type != torch.autograd.DeviceType.CUDA}
+    for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if getattr(event, "is_user_annotation", False) or event.name in cpu_names:
             continue
         activity = getattr(event, "activity_type", None)
         if activity is not None:
-            count += activity == "kernel"
+            kernel = activity == "kernel"
         else:  # older torch: no activity type on the event, tell kernels apart by name
-            count += not event.name.startswith(("Memset", "Memcpy", "Context Sync"))
+            kernel = not event.name.startswith(("Memset", "Memcpy", "Context Sync"))
+        count += kernel
+        if kernel and names is not None:
+            names[event.name] = names.get(event.name, 0) + 1
     return count
 
 

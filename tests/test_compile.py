@@ -371,10 +371,13 @@ def test_scaler_iteration_never_reads_a_device_value(device, case):
     _, opt, scaler, iteration = make_iteration(case, device)
     x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
     iteration(x, y, torch.tensor(1.0, device=device))  # warm-up: lazy scale and optimizer state
+    # (the poison values go to the device first: a copy from pageable host memory is itself a synchronising
+    # call, which CUDA's sync debug mode reports; the GPU run of 2026-11-27 met exactly that)
+    poisons = [torch.tensor(v, device=device) for v in (1.0, float("inf"), 1.0)]
     with NoHostReads():
-        for poison in (1.0, float("inf"), 1.0):
+        for poison in poisons:
             opt.zero_grad(set_to_none=True)
-            iteration(x, y, torch.tensor(poison, device=device))
+            iteration(x, y, poison)
     assert scaler.skipped_steps == 1
 
 

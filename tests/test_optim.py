@@ -572,7 +572,7 @@ def test_cuda_kernel_entry_without_a_counter_launches_the_step_increment_and_giv
     def run(counter):
         g = torch.Generator(device="cuda").manual_seed(11)
         params = [torch.randn(70000 + i, device="cuda", generator=g) for i in range(3)] + [torch.zeros(0, device="cuda")]
-        grads = [torch.randn_like(p) for p in params]
+        grads = [torch.randn(p.shape, device="cuda", generator=g) for p in params]  # (both runs: the same)
         m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
         steps = [torch.zeros((), device="cuda") for _ in params]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -16,7 +16,7 @@ from conftest import requires_cuda
 import numpy as np
 
 from test_random import fp16_shortcut_inputs, reference_words, sr_bits_reference
-from tolerances import SR_SIGMAS
+from tolerances import LAMB_SUM_ORDER_STEP_RTOL, SR_SIGMAS
 
 ALL = [FusedAdam, FusedAdamW, FusedSGD, FusedLAMB, FusedLion]
 LOWP = [torch.float16, torch.bfloat16]
@@ -585,7 +585,7 @@ def test_remainder_nan_and_overflow_are_handled():
                                   dict(master_weights=True, rounding="stochastic"),
                                   dict(master_weights="remainder")])
 @pytest.mark.parametrize("dtype", LOWP)
-@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD, FusedLAMB])
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
 def test_cuda_matches_cpu_bit_for_bit(cls, dtype, mode):
     if mode.get("master_weights") == "remainder" and dtype != torch.bfloat16:
         pytest.skip("remainders are for bfloat16 params")
@@ -604,3 +604,67 @@ def test_cuda_matches_cpu_bit_for_bit(cls, dtype, mode):
         out.append([bits(p) for p in ps] + [bits(v) for p in ps for v in opt.state[p].values()])
     for a, b in zip(*out, strict=True):
         assert torch.equal(a, b)
+
+
+def ulp(x, dtype):
+    """The spacing of ``dtype``'s values at each element of ``x`` (float64), subnormals included."""
+    info = torch.finfo(dtype)
+    mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[dtype]
+    min_exp = round(math.log2(info.tiny)) + 1  # frexp's exponent of the smallest normal
+    _, e = torch.frexp(x.abs())
+    return torch.ldexp(torch.ones_like(x), torch.clamp(e, min=min_exp) - 1 - mant)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [dict(master_weights=False, rounding="stochastic"),
+                                  dict(master_weights=True, rounding="stochastic"),
+                                  dict(master_weights="remainder")])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_cuda_lamb_matches_cpu_step_by_step(dtype, mode):
+    """LAMB's global grad-norm clip (max_grad_norm) and its trust ratio come from sums of squares that the
+    CPU and the GPU add in different orders (LAMB_SUM_ORDER_STEP_RTOL). Each step starts both devices from
+    the CPU's state: the step counts are equal; the moments (of the clipped grads) within that share of
+    their value plus an FP32 unit; each weight within that share of its step plus one unit of its dtype
+    (the FP32 weight: master, or param joined with its remainder; the rounding may then go the other way)."""
+    if mode.get("master_weights") == "remainder" and dtype != torch.bfloat16:
+        pytest.skip("remainders are for bfloat16 params")
+    g = torch.Generator().manual_seed(6)
+    init = [torch.randn(n, generator=g).to(dtype) for n in (1, 3, 70_001, 131_075, 4099)]
+    grads = [[torch.randn(t.shape, generator=g).to(dtype) for t in init] for _ in range(4)]
+    cpu = [torch.nn.Parameter(t.clone()) for t in init]
+    gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
+    opts = [FusedLAMB(ps, seed=2**63 + 5, **KW[FusedLAMB], **mode) for ps in (cpu, gpu)]
+
+    def weight(p, state):  # the FP32 weight, as float64 on the host
+        if "master_param" in state:
+            return state["master_param"].detach().cpu().double()
+        if "master_remainder" in state:
+            return joined(p, state["master_remainder"]).to(torch.int32).view(torch.float32).double()
+        return p.detach().cpu().double()
+
+    for k, step_grads in enumerate(grads):
+        for pc, pg, gg in zip(cpu, gpu, step_grads):
+            pc.grad, pg.grad = gg.clone(), gg.cuda()
+        if k:  # the GPU starts this step from the CPU's state
+            for pc, pg in zip(cpu, gpu):
+                pg.data.copy_(pc.data)
+                for key, value in opts[0].state[pc].items():
+                    opts[1].state[pg][key].copy_(value)
+        before = [weight(p, opts[0].state[p]) if k else p.detach().double() for p in cpu]
+        for opt in opts:
+            opt.step()
+        for i, (pc, pg, old) in enumerate(zip(cpu, gpu, before)):
+            sc, sg = opts[0].state[pc], opts[1].state[pg]
+            assert torch.equal(bits(sc["step"]), bits(sg["step"])), (k, i)
+            for key in ("exp_avg", "exp_avg_sq"):
+                c, d = sc[key].double(), sg[key].double().cpu()
+                bad = ((c - d).abs() > LAMB_SUM_ORDER_STEP_RTOL * c.abs() + ulp(c, torch.float32)).nonzero()
+                assert bad.numel() == 0, (k, i, key, bad[:5].flatten().tolist())
+            wc, wg = weight(pc, sc), weight(pg, sg)
+            wdtype = dtype if set(sc) == {"step", "exp_avg", "exp_avg_sq"} else torch.float32
+            for name, c, d, t in (("weight", wc, wg, wdtype),
+                                  ("param", pc.detach().cpu().double(), pg.detach().cpu().double(), dtype)):
+                allowed = LAMB_SUM_ORDER_STEP_RTOL * (wc - old).abs() + ulp(c, t)
+                bad = ((c - d).abs() > allowed).nonzero()
+                assert bad.numel() == 0, (k, i, name, bad[:5].flatten().tolist(), c[bad[:5].flatten()].tolist(),
+                                          d[bad[:5].flatten()].tolist())

@@ -268,15 +268,18 @@ def test_unscale_matches_torch_amp_kernel_with_non_finite_values(device, dtype):
     grads = [(torch.randn(n, device=device) * 1000).to(dtype) for n in (10, 65536, 65537, 200_000)]
     grads[2][65536] = float("nan")
     grads[3][7] = float("-inf")
-    expected = [g.clone() for g in grads]
+    # (torch's CUDA kernel has no BF16 (torch 2.11 raises NotImplementedError): there, its CPU kernel is
+    # the reference, on host copies)
+    ref_device = "cpu" if dtype == torch.bfloat16 else device
+    expected = [g.to(ref_device, copy=True) for g in grads]
     inv = torch.tensor([1.0 / 1024], device=device)
-    ref_found = flag(device)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, ref_found, inv)
+    ref_found = flag(ref_device)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, ref_found, inv.to(ref_device))
     found = flag(device)
     mpfused.non_finite_check_(grads, found, inv, unscale=True)
     assert found.item() == ref_found.item() == 1.0
     for g, e in zip(grads, expected):
-        assert_bitwise_equal(g, e)
+        assert_bitwise_equal(g.cpu(), e.cpu())
 
 
 @settings(max_examples=60, deadline=None)

@@ -590,9 +590,11 @@ def test_tensor_hyperparameters_changed_in_place_are_read_by_each_step(name, dty
 @pytest.mark.parametrize("where", ["cuda", "cpu"])
 def test_tensor_hyperparameters_never_sync_the_host_in_step(where):
     """CUDA params with tensor betas / weight_decay on the device (read by the kernel) or on the host (read
-    there, no device involved): step() makes no synchronizing call."""
+    there, no device involved): step() makes no synchronizing call. (Host values and capturable=True
+    do not go together: a capturable step reads every value on the device, see
+    test_compile.py's test_capturable_refuses_values_on_another_device.)"""
     p = make_params(device="cuda")
-    opts = [FusedAdamW(p, lr=torch.tensor(0.01, device="cuda"), capturable=True,
+    opts = [FusedAdamW(p, lr=torch.tensor(0.01, device="cuda"), capturable=where == "cuda",
                        betas=(torch.tensor(0.9, device=where), torch.tensor(0.99, device=where))),
             FusedSGD(make_params(device="cuda"), lr=0.1, momentum=0.9, weight_decay=torch.tensor(0.01, device=where))]
     for opt in opts:

@@ -139,6 +139,18 @@ FP16_ROUNDING_RTOL = 2.0**-10
 # correction, the clip, the trust ratio, the decay) moves the weights by more than 1e5 u.
 LAMB_WEIGHT_RTOL_PER_STEP = 16 * 2.0**-24
 
+# FusedLAMB on CUDA against the CPU backend, one step from the same state (tests/test_optim_precision.py).
+# Two sums of squares are added in other orders: the global grad norm of max_grad_norm's clip (the CUDA
+# overflow kernel: FP32 per thread over <= 256 terms, an FP32 tree of 256 partials, then FP64 across
+# blocks) and each tensor's norms for the trust ratio (FP32 per thread over <= 256 terms, then FP64); the
+# CPU adds both in FP64 lanes. Relative error of such a sum <= ~(256 + 8) * 2^-24 ~ 1.6e-5, so the clip's
+# factor, the moments of the clipped grads (the H200 run of 2026-11-27: 5 and 24 FP32 ulp apart, ~1.4e-6)
+# and the step may differ by ~2e-5 of themselves. Allowed: 1e-4 of the value (moments) or of the step
+# (weights), margin for the square roots and divisions that follow, plus one unit of the stored dtype (the
+# rounding may go the other way). The CUDA simulator (tests/native/cuda_sim) uses the same rule for the
+# weights. A wrong clip, ratio or formula moves them by far more.
+LAMB_SUM_ORDER_STEP_RTOL = 1e-4
+
 # FusedLion (tests/test_lion.py) against a float64 reference. The direction c = beta1 * m + (1 - beta1) * g
 # in FP32: |m| <= G (the largest |g| of the run: m is a convex combination of gradients), each step rounds m
 # 5 times (beta2 and 1 - beta2 to FP32, two products, the sum: <= 5u * G, u = 2^-24; beta2 < 1 damps the
