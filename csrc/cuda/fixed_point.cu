@@ -26,17 +26,42 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a,
   const uint64_t nblocks = blocks_for(a.offset, a.numel);
   const int64_t lead = static_cast<int64_t>(a.offset & 7u);
   const bool stochastic = a.rounding == Rounding::kStochastic;
+  const Rounding mode = stochastic ? Rounding::kStochastic : Rounding::kNearest;
+  // One element, with its random word r.
+  const auto convert = [&](typename FixedElem<S>::type x, uint32_t r) {
+    if constexpr (kF) return fixed_store<D>(fixed_code_f(fixed_load_f<S>(x), qf, mode, r), qf);
+    else return fixed_store<D>(fixed_code(FixedElem<S>::load(x), q, mode, r), q);
+  };
+  // Aligned fast path (as round_stochastic's): element 0 starts a Philox block and both pointers allow 16-byte
+  // accesses, so a thread's eight elements are whole 16-byte vectors of the source and of the destination.
+  // (With element accesses only, 8 elements apart across a warp, Convert ran at ~20% of the copy roof on an
+  // H200, where round_stochastic's vectors reached 85-92%.)
+  using SV = Vec16<typename FixedElem<S>::type>;
+  using DV = Vec16<typename FixedElem<D>::type>;
+  static_assert(8 % SV::N == 0 && 8 % DV::N == 0, "eight elements are whole 16-byte vectors");
+  const bool aligned = lead == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
+                       (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
   for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
     Philox4 p{{0u, 0u, 0u, 0u}};
     if (stochastic) p = philox_block(a.seed, (a.offset >> 3) + b, kStreamRound, 0);
+    const int64_t i0 = static_cast<int64_t>(b * 8);
+    if (aligned && i0 + 8 <= a.numel) {
+      SV in[8 / SV::N];
+      DV out[8 / DV::N];
+#pragma unroll
+      for (int j = 0; j < 8 / SV::N; ++j) in[j] = reinterpret_cast<const SV*>(src + i0)[j];
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        out[k / DV::N].v[k % DV::N] = convert(in[k / SV::N].v[k % SV::N], stochastic ? philox_bits(p, k) : 0u);
+#pragma unroll
+      for (int j = 0; j < 8 / DV::N; ++j) reinterpret_cast<DV*>(dst + i0)[j] = out[j];
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t i = static_cast<int64_t>(b * 8 + static_cast<uint64_t>(k)) - lead;
       if (i < 0 || i >= a.numel) continue;
-      const Rounding mode = stochastic ? Rounding::kStochastic : Rounding::kNearest;
-      const uint32_t r = stochastic ? philox_bits(p, k) : 0u;
-      if constexpr (kF) dst[i] = fixed_store<D>(fixed_code_f(fixed_load_f<S>(src[i]), qf, mode, r), qf);
-      else dst[i] = fixed_store<D>(fixed_code(FixedElem<S>::load(src[i]), q, mode, r), q);
+      dst[i] = convert(src[i], stochastic ? philox_bits(p, k) : 0u);
     }
   }
 }
