@@ -24,19 +24,42 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis rich tqdm matplotlib
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
-# --venv-only: the venv alone (.ci/run prepares it in the background while `make test` runs: unpacking
-# CUDA torch's gigabytes is mostly disk and decompression, which overlaps the compiles and the tests).
+# --venv-only: the venv alone (unpacking CUDA torch's gigabytes is mostly disk and decompression; .ci/run
+# makes it in the background, followed by the build: --build-only below).
 if [ "${1:-}" = "--venv-only" ]; then
   echo "cuda_install_check: venv ready"
   exit 0
 fi
 
-# Build from a copy of the tree, so that the source tree's in-place CPU build is left alone.
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
-    --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
-(cd "$WORK" && TORCH_CUDA_ARCH_LIST="$INSTALL_ARCHS" MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --progress-bar off .)
+# Build from a copy of the tree (build/cuda-install/tree), so that the source tree's in-place CPU build is
+# left alone. --build-only stops after the install: .ci/run starts it in the background at the beginning,
+# with one job, so that it fills the core that the single-process test runs leave idle; the full run then
+# finds that install, keyed by the tree's git state (the index, the changes, the untracked names) and the
+# archs, and does not build again. Outside a git checkout there is no key: it always builds.
+INSTALL_DIR=$ROOT/build/cuda-install
+WORK=$INSTALL_DIR/tree
+tree_key() {
+  git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1 || return 1
+  { git -C "$ROOT" ls-files -s; git -C "$ROOT" diff HEAD; git -C "$ROOT" ls-files --others --exclude-standard
+    echo "archs=$INSTALL_ARCHS"; "$VENV/bin/python" -c "import torch; print(torch.__version__)"; } | sha256sum | cut -d' ' -f1
+}
+key=$(tree_key) || key=""
+if [ -n "$key" ] && [ "$(cat "$INSTALL_DIR/KEY" 2>/dev/null)" = "$key" ] && [ -d "$WORK/tests" ] &&
+   "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mpfused') is None)" 2>/dev/null; then
+  echo "cuda_install_check: reusing the install built from this tree ($INSTALL_DIR/KEY)"
+  rm -rf "$WORK/build" "$WORK"/mpfused/_C*.so "$WORK/mpfused/_build_config.py"  # (a last run's prebuilt copy)
+else
+  rm -rf "$INSTALL_DIR"
+  mkdir -p "$WORK"
+  tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
+      --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
+  (cd "$WORK" && TORCH_CUDA_ARCH_LIST="$INSTALL_ARCHS" MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --progress-bar off .)
+  [ -z "$key" ] || echo "$key" > "$INSTALL_DIR/KEY"
+fi
+if [ "${1:-}" = "--build-only" ]; then
+  echo "cuda_install_check: installed"
+  exit 0
+fi
 
 # Import the *installed* package (from outside the source tree) and check what it was built with.
 cd "$WORK/tests"
