@@ -33,28 +33,49 @@ fi
 
 # Build from a copy of the tree (build/cuda-install/tree), so that the source tree's in-place CPU build is
 # left alone. --build-only stops after the install: .ci/run starts it in the background at the beginning,
-# with one job, so that it fills the core that the single-process test runs leave idle; the full run then
-# finds that install, keyed by the tree's git state (the index, the changes, the untracked names) and the
-# archs, and does not build again. Outside a git checkout there is no key: it always builds.
+# with one job, beside `make test`; the full run then finds that install and does not build again. The
+# install is keyed by the content of every file git does not ignore (a tree object written from a scratch
+# index), the archs, torch, nvcc, the venv and the debug-info switch, and by the hash of the installed
+# extension; outside a git checkout there is no key, and it always builds.
 INSTALL_DIR=$ROOT/build/cuda-install
 WORK=$INSTALL_DIR/tree
+in_git() { git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; }
 tree_key() {
-  git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1 || return 1
-  { git -C "$ROOT" ls-files -s; git -C "$ROOT" diff HEAD; git -C "$ROOT" ls-files --others --exclude-standard
-    echo "archs=$INSTALL_ARCHS"; "$VENV/bin/python" -c "import torch; print(torch.__version__)"; } | sha256sum | cut -d' ' -f1
+  in_git || return 1
+  local index tree
+  index=$(mktemp)
+  cp "$(git -C "$ROOT" rev-parse --git-path index)" "$index" 2>/dev/null || rm -f "$index"
+  tree=$(cd "$ROOT" && GIT_INDEX_FILE=$index git add -A && GIT_INDEX_FILE=$index git write-tree) || { rm -f "$index"; return 1; }
+  rm -f "$index"
+  { echo "tree=$tree archs=$INSTALL_ARCHS venv=$VENV debug=${MPFUSED_DEBUG_INFO:-}"
+    "$VENV/bin/python" -c "import torch; print(torch.__version__)"; nvcc --version 2>/dev/null | tail -n 2; } | sha256sum | cut -d' ' -f1
+}
+# The hash of the extension installed in the venv (looked up from outside any source tree), or nothing.
+installed_hash() {
+  local so
+  so=$(cd / && "$VENV/bin/python" -P -c "import glob, importlib.util, os
+spec = importlib.util.find_spec('mpfused')
+found = glob.glob(os.path.join(os.path.dirname(spec.origin), '_C*.so')) if spec else []
+print(found[0] if found else '')" 2>/dev/null) || return 0
+  [ -n "$so" ] && [ -f "$so" ] && sha256sum "$so" | cut -d' ' -f1
 }
 key=$(tree_key) || key=""
-if [ -n "$key" ] && [ "$(cat "$INSTALL_DIR/KEY" 2>/dev/null)" = "$key" ] && [ -d "$WORK/tests" ] &&
-   "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mpfused') is None)" 2>/dev/null; then
+if [ -n "$key" ] && [ -d "$WORK/tests" ] && [ -n "$(installed_hash)" ] &&
+   [ "$(cat "$INSTALL_DIR/KEY" 2>/dev/null)" = "$key $(installed_hash)" ]; then
   echo "cuda_install_check: reusing the install built from this tree ($INSTALL_DIR/KEY)"
   rm -rf "$WORK/build" "$WORK"/mpfused/_C*.so "$WORK/mpfused/_build_config.py"  # (a last run's prebuilt copy)
 else
   rm -rf "$INSTALL_DIR"
   mkdir -p "$WORK"
-  tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
-      --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
+  if in_git; then
+    # the files git does not ignore: a copy made while `make test` writes its (ignored) files beside them
+    (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$WORK"
+  else
+    tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
+        --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
+  fi
   (cd "$WORK" && TORCH_CUDA_ARCH_LIST="$INSTALL_ARCHS" MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --progress-bar off .)
-  [ -z "$key" ] || echo "$key" > "$INSTALL_DIR/KEY"
+  [ -z "$key" ] || echo "$key $(installed_hash)" > "$INSTALL_DIR/KEY"
 fi
 if [ "${1:-}" = "--build-only" ]; then
   echo "cuda_install_check: installed"

@@ -548,6 +548,8 @@ def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
         how = f"foreach=True + host check of found_inf (fused n/a: {fused_reason})"
 
     amp_unscale = torch_amp_unscale(device, lp_grads[0].dtype if lp_grads else torch.float32)
+    if getattr(amp_unscale, "stand_in", ""):
+        how += f"; step (a): {amp_unscale.stand_in}"
 
     def torch_o2() -> None:
         amp_unscale(lp_grads, found_t, inv_scales[toggle[0]])  # (a)

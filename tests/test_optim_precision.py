@@ -611,7 +611,7 @@ def ulp(x, dtype):
     info = torch.finfo(dtype)
     mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[dtype]
     min_exp = round(math.log2(info.tiny)) + 1  # frexp's exponent of the smallest normal
-    _, e = torch.frexp(x.abs())
+    _, e = torch.frexp(x.abs().clamp_min(info.tiny))  # (0: the subnormals' spacing, as at the smallest normal)
     return torch.ldexp(torch.ones_like(x), torch.clamp(e, min=min_exp) - 1 - mant)
 
 
@@ -621,11 +621,14 @@ def ulp(x, dtype):
                                   dict(master_weights="remainder")])
 @pytest.mark.parametrize("dtype", LOWP)
 def test_cuda_lamb_matches_cpu_step_by_step(dtype, mode):
-    """LAMB's global grad-norm clip (max_grad_norm) and its trust ratio come from sums of squares that the
-    CPU and the GPU add in different orders (LAMB_SUM_ORDER_STEP_RTOL). Each step starts both devices from
-    the CPU's state: the step counts are equal; the moments (of the clipped grads) within that share of
-    their value plus an FP32 unit; each weight within that share of its step plus one unit of its dtype
-    (the FP32 weight: master, or param joined with its remainder; the rounding may then go the other way)."""
+    """LAMB's trust ratio comes from per-tensor sums of squares that the CPU and the GPU add in different
+    orders (LAMB_SUM_ORDER_STEP_RTOL). Each step starts both devices from the CPU's state: the step counts
+    and the moments are equal bit for bit (they do not depend on the ratio); each weight is within that
+    share of its step plus one unit of its dtype (the FP32 weight: master, or param joined with its
+    remainder; the rounding may then go the other way). Without the global grad-norm clip (max_grad_norm=0):
+    its factor is a global sum too, and a factor off by a few ulp moves a moment by a share of its terms,
+    not of the moment itself, which cancels (the first version of this test, on the H200, failed there).
+    The global norm's own agreement with the CPU is test_overflow's, and the clip is the shared step's."""
     if mode.get("master_weights") == "remainder" and dtype != torch.bfloat16:
         pytest.skip("remainders are for bfloat16 params")
     g = torch.Generator().manual_seed(6)
@@ -633,7 +636,7 @@ def test_cuda_lamb_matches_cpu_step_by_step(dtype, mode):
     grads = [[torch.randn(t.shape, generator=g).to(dtype) for t in init] for _ in range(4)]
     cpu = [torch.nn.Parameter(t.clone()) for t in init]
     gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
-    opts = [FusedLAMB(ps, seed=2**63 + 5, **KW[FusedLAMB], **mode) for ps in (cpu, gpu)]
+    opts = [FusedLAMB(ps, seed=2**63 + 5, max_grad_norm=0.0, **KW[FusedLAMB], **mode) for ps in (cpu, gpu)]
 
     def weight(p, state):  # the FP32 weight, as float64 on the host
         if "master_param" in state:
@@ -655,16 +658,13 @@ def test_cuda_lamb_matches_cpu_step_by_step(dtype, mode):
             opt.step()
         for i, (pc, pg, old) in enumerate(zip(cpu, gpu, before)):
             sc, sg = opts[0].state[pc], opts[1].state[pg]
-            assert torch.equal(bits(sc["step"]), bits(sg["step"])), (k, i)
-            for key in ("exp_avg", "exp_avg_sq"):
-                c, d = sc[key].double(), sg[key].double().cpu()
-                bad = ((c - d).abs() > LAMB_SUM_ORDER_STEP_RTOL * c.abs() + ulp(c, torch.float32)).nonzero()
-                assert bad.numel() == 0, (k, i, key, bad[:5].flatten().tolist())
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(bits(sc[key]), bits(sg[key])), (k, i, key)
             wc, wg = weight(pc, sc), weight(pg, sg)
             wdtype = dtype if set(sc) == {"step", "exp_avg", "exp_avg_sq"} else torch.float32
             for name, c, d, t in (("weight", wc, wg, wdtype),
                                   ("param", pc.detach().cpu().double(), pg.detach().cpu().double(), dtype)):
                 allowed = LAMB_SUM_ORDER_STEP_RTOL * (wc - old).abs() + ulp(c, t)
-                bad = ((c - d).abs() > allowed).nonzero()
+                bad = (~((c - d).abs() <= allowed)).nonzero()  # (a NaN on either side is out of bounds)
                 assert bad.numel() == 0, (k, i, name, bad[:5].flatten().tolist(), c[bad[:5].flatten()].tolist(),
                                           d[bad[:5].flatten()].tolist())

@@ -139,16 +139,13 @@ FP16_ROUNDING_RTOL = 2.0**-10
 # correction, the clip, the trust ratio, the decay) moves the weights by more than 1e5 u.
 LAMB_WEIGHT_RTOL_PER_STEP = 16 * 2.0**-24
 
-# FusedLAMB on CUDA against the CPU backend, one step from the same state (tests/test_optim_precision.py).
-# Two sums of squares are added in other orders: the global grad norm of max_grad_norm's clip (the CUDA
-# overflow kernel: FP32 per thread over <= 256 terms, an FP32 tree of 256 partials, then FP64 across
-# blocks) and each tensor's norms for the trust ratio (FP32 per thread over <= 256 terms, then FP64); the
-# CPU adds both in FP64 lanes. Relative error of such a sum <= ~(256 + 8) * 2^-24 ~ 1.6e-5, so the clip's
-# factor, the moments of the clipped grads (the H200 run of 2026-11-27: 5 and 24 FP32 ulp apart, ~1.4e-6)
-# and the step may differ by ~2e-5 of themselves. Allowed: 1e-4 of the value (moments) or of the step
-# (weights), margin for the square roots and divisions that follow, plus one unit of the stored dtype (the
-# rounding may go the other way). The CUDA simulator (tests/native/cuda_sim) uses the same rule for the
-# weights. A wrong clip, ratio or formula moves them by far more.
+# FusedLAMB on CUDA against the CPU backend, one step from the same state, no global clip
+# (tests/test_optim_precision.py): the CPU adds a tensor's sums of squares for the trust ratio in FP64
+# lanes, the GPU in FP32 per thread (at most 256 terms: relative error <= 256 * 2^-24 ~ 1.5e-5) and then
+# in FP64, so the ratio, and the step with it, may differ by ~1.5e-5 of the step. Allowed: 1e-4 of the step
+# (margin for the square root and the division that follow), plus one unit of the stored weight's dtype
+# (the rounding may then go the other way). The same rule as the CUDA simulator's (tests/native/cuda_sim).
+# A wrong ratio moves the step by far more.
 LAMB_SUM_ORDER_STEP_RTOL = 1e-4
 
 # FusedLion (tests/test_lion.py) against a float64 reference. The direction c = beta1 * m + (1 - beta1) * g
