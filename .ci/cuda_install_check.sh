@@ -24,16 +24,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis rich tqdm matplotlib
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
-# --venv-only: the venv alone (unpacking CUDA torch's gigabytes is mostly disk and decompression; .ci/run
-# makes it in the background, followed by the build: --build-only below).
+# --venv-only: the venv alone (.ci/run prepares it in the background while `make test` runs: unpacking
+# CUDA torch's gigabytes is mostly disk and decompression, which overlaps the compiles and the tests).
 if [ "${1:-}" = "--venv-only" ]; then
   echo "cuda_install_check: venv ready"
   exit 0
 fi
 
 # Build from a copy of the tree (build/cuda-install/tree), so that the source tree's in-place CPU build is
-# left alone. --build-only stops after the install: .ci/run starts it in the background at the beginning,
-# with one job, beside `make test`; the full run then finds that install and does not build again. The
+# left alone. --build-only stops after the install; a later run (a rerun of `make cuda-check`) finds that
+# install and does not build again. The
 # install is keyed by the content of every file git does not ignore (a tree object written from a scratch
 # index), the archs, torch, nvcc, the venv and the debug-info switch, and by the hash of the installed
 # extension; outside a git checkout there is no key, and it always builds.
