@@ -98,7 +98,7 @@ GOALS: tuple[Goal, ...] = (
          "ours moves 20 B/param in one pass; the seven foreach ops read and write about 68"),
     Goal("optim", "(i)", "stochastic-rounding step time / round-to-nearest step time (no masters)", "<=", 1.10,
          "{:.3f}", "cpu",
-         "the same 22 B/param of traffic; stochastic rounding adds a Philox4x32-10 block per four elements "
+         "the same 22 B/param of traffic; stochastic rounding adds a Philox4x32-10 block per eight elements "
          "(vectorised, philox_blocks.inc), which must hide behind the memory traffic to within 10%", scope="CPU"),
     Goal("optim", "(j)", "host overhead: FusedAdamW.step() vs torch fused AdamW (one-element tensors)", ">=", 1.0,
          "{:.2f}x", "any",

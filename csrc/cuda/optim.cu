@@ -139,30 +139,36 @@ __device__ __forceinline__ float element(float& p, float* s, float graw, const B
   }
 }
 
-// The random bits of elements idx .. idx + 3 of stream (s0, kStreamOptim) (core/philox.h: eight elements per
-// block): one block when the four lie in one, else two; the bits picked with constant indices (registers,
-// no local memory).
-__device__ __forceinline__ void sr_words4(uint64_t seed, uint64_t idx, uint32_t s0, uint32_t* w) {
-  const Philox4 a = philox_block(seed, idx >> 3, s0, kStreamOptim);
-  const int lead = static_cast<int>(idx & 7u);
-  if (lead <= 4) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      uint32_t r = philox_bits(a, 0);
-#pragma unroll
-      for (int k = 1; k < 8; ++k) r = lead + e == k ? philox_bits(a, k) : r;
-      w[e] = r;
-    }
-    return;
+// Stochastic rounding's random bits, shared by the block's threads. Each iteration of a loop over a chunk
+// covers a window of consecutive elements, and each Philox block (eight elements' bits, core/philox.h) that
+// the window touches is computed once, by one thread (thread t: the window's t-th block), into shared
+// memory. Element w of the window then reads its 16 bits at half-word lead + w, lead being the place of the
+// window's first element in its block (element k of a block is half-word k of the block's four words, low
+// half first). Drawn by each thread for its own four elements, a block was computed two or four times (the
+// four straddle two blocks unless the tensor's Philox index is a multiple of four), and per element eight.
+constexpr int kSrWindow = kThreads * kVec;                    // the elements of one vector iteration
+constexpr int kSrBlocks = kSrWindow / kElementsPerBlock + 1;  // a window that starts mid-block touches one more
+static_assert(kSrWindow % kElementsPerBlock == 0, "every window must start at the same place in its block");
+static_assert(kSrBlocks <= kThreads && kThreads / kElementsPerBlock + 1 <= kSrBlocks, "a thread per block");
+
+// Two buffers: an iteration fills the next window's while it reads its own, one __syncthreads apart.
+__device__ __forceinline__ uint4* sr_buffers() {
+  __shared__ uint4 buf[2][kSrBlocks];
+  return &buf[0][0];
+}
+
+// Fills buf with the blocks of elements index0 .. index0 + count - 1 of stream (s0, kStreamOptim).
+__device__ __forceinline__ void sr_fill(uint4* buf, uint64_t seed, uint64_t index0, int64_t count, uint32_t s0) {
+  const int64_t blocks = (static_cast<int64_t>(index0 & 7u) + count + 7) / kElementsPerBlock;
+  if (threadIdx.x < blocks) {
+    const Philox4 p = philox_block(seed, index0 / kElementsPerBlock + threadIdx.x, s0, kStreamOptim);
+    buf[threadIdx.x] = make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
   }
-  const Philox4 b = philox_block(seed, (idx >> 3) + 1, s0, kStreamOptim);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    uint32_t r = philox_bits(a, 5);
-#pragma unroll
-    for (int k = 6; k < 12; ++k) r = lead + e == k ? (k < 8 ? philox_bits(a, k) : philox_bits(b, k - 8)) : r;
-    w[e] = r;
-  }
+}
+
+// The bits of element w of a window (philox_bits' form: the top 16 bits of the word).
+__device__ __forceinline__ uint32_t sr_bits(const uint4* buf, int lead, int w) {
+  return static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(buf)[lead + w]) << 16;
 }
 
 // A 16-bit param's bits from its FP32 result: round to nearest, or stochastically with word r.
@@ -190,6 +196,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   // remainders: BF16 only (the bindings check it)
   int16_t* rem = D == DType::kBFloat16 && ws == WeightSource::kRemainder ? static_cast<int16_t*>(a.master[slot]) + begin
                                                                           : nullptr;
+  // The same for every thread of the block (one slot, one dtype), as the __syncthreads below need.
   const bool sr = D != DType::kFloat32 && kWriteParam && c.stochastic && !rem;
   const uint64_t first = a.sr_offset[slot] + static_cast<uint64_t>(begin);  // element 0's Philox index
   const bool write_grad = kReadGrad && c.write_grad;
@@ -202,69 +209,74 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     st[k] = a.state[k][slot] ? a.state[k][slot] + begin : nullptr;  // absent states stay zero in registers
     vec = vec && (!st[k] || aligned(st[k], 16));
   }
-  int64_t head = 0;
-  if (vec) {
-    head = n / kVec * kVec;
-    for (int64_t i = int64_t{threadIdx.x} * kVec; i < head; i += int64_t{kThreads} * kVec) {
-      Pack<T, kVec> gv = {};
-      if (kReadGrad) gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
-      Pack<float, kVec> pv, sv[kMaxStates] = {};
-      Pack<int16_t, kVec> rv;
-      if (master) {
-        pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
-      } else {
-        const Pack<T, kVec> raw = *reinterpret_cast<const Pack<T, kVec>*>(param + i);
-        if constexpr (D == DType::kBFloat16) {
-          if (rem) rv = *reinterpret_cast<const Pack<int16_t, kVec>*>(rem + i);
-        }
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          if constexpr (D == DType::kBFloat16) pv.v[e] = rem ? join_master(raw.v[e], rv.v[e]) : S::load(raw.v[e]);
-          else pv.v[e] = S::load(raw.v[e]);
-        }
+
+  // Elements i .. i + kVec - 1 in 16-byte (FP32) and 8-byte (FP16/BF16) accesses: the loads, then the
+  // update and the stores (words: the stochastic rounding's bits, when sr).
+  struct VecIn {
+    Pack<T, kVec> gv;
+    Pack<float, kVec> pv, sv[kMaxStates];
+    Pack<int16_t, kVec> rv;
+  };
+  const auto load_vec = [&](int64_t i, VecIn& d) {
+    d.gv = {};
+    if (kReadGrad) d.gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
+    if (master) {
+      d.pv = *reinterpret_cast<const Pack<float, kVec>*>(master + i);
+    } else {
+      const Pack<T, kVec> raw = *reinterpret_cast<const Pack<T, kVec>*>(param + i);
+      if constexpr (D == DType::kBFloat16) {
+        if (rem) d.rv = *reinterpret_cast<const Pack<int16_t, kVec>*>(rem + i);
       }
-#pragma unroll
-      for (int k = 0; k < kMaxStates; ++k)
-        if (st[k]) sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
-      Pack<T, kVec> used;  // the gradient the update used, for write_grad
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        float s[kMaxStates];
-#pragma unroll
-        for (int k = 0; k < kMaxStates; ++k) s[k] = sv[k].v[e];
-        used.v[e] = S::store(element<P, kPass>(pv.v[e], s, S::load(gv.v[e]), b, acc));
-#pragma unroll
-        for (int k = 0; k < kMaxStates; ++k) sv[k].v[e] = s[k];
-      }
-      if (write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
-      if (kWriteParam) {
-        Pack<T, kVec> out;
-        uint32_t words[kVec] = {};
-        if (sr) sr_words4(c.seed, first + static_cast<uint64_t>(i), b.sr_s0, words);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D>(pv.v[e], sr, words[e]);
-        if constexpr (D == DType::kBFloat16) {
-          if (rem) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const uint32_t u = float_as_bits(pv.v[e]);
-              out.v[e] = split_master_hi(u);
-              rv.v[e] = split_master_lo(u, out.v[e]);
-            }
-            *reinterpret_cast<Pack<int16_t, kVec>*>(rem + i) = rv;
-          }
-        }
-        *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
-        if (master) *reinterpret_cast<Pack<float, kVec>*>(master + i) = pv;
-      }
-      if (kWriteState) {
-#pragma unroll
-        for (int k = 0; k < kMaxStates; ++k)
-          if (st[k]) *reinterpret_cast<Pack<float, kVec>*>(st[k] + i) = sv[k];
+        if constexpr (D == DType::kBFloat16) d.pv.v[e] = rem ? join_master(raw.v[e], d.rv.v[e]) : S::load(raw.v[e]);
+        else d.pv.v[e] = S::load(raw.v[e]);
       }
     }
-  }
-  for (int64_t i = head + threadIdx.x; i < n; i += kThreads) {
+#pragma unroll
+    for (int k = 0; k < kMaxStates; ++k) {
+      d.sv[k] = {};
+      if (st[k]) d.sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
+    }
+  };
+  const auto finish_vec = [&](int64_t i, VecIn& d, const uint32_t* words) {
+    Pack<T, kVec> used;  // the gradient the update used, for write_grad
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      float s[kMaxStates];
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k) s[k] = d.sv[k].v[e];
+      used.v[e] = S::store(element<P, kPass>(d.pv.v[e], s, S::load(d.gv.v[e]), b, acc));
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k) d.sv[k].v[e] = s[k];
+    }
+    if (write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
+    if (kWriteParam) {
+      Pack<T, kVec> out;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D>(d.pv.v[e], sr, sr ? words[e] : 0u);
+      if constexpr (D == DType::kBFloat16) {
+        if (rem) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const uint32_t u = float_as_bits(d.pv.v[e]);
+            out.v[e] = split_master_hi(u);
+            d.rv.v[e] = split_master_lo(u, out.v[e]);
+          }
+          *reinterpret_cast<Pack<int16_t, kVec>*>(rem + i) = d.rv;
+        }
+      }
+      *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
+      if (master) *reinterpret_cast<Pack<float, kVec>*>(master + i) = d.pv;
+    }
+    if (kWriteState) {
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k)
+        if (st[k]) *reinterpret_cast<Pack<float, kVec>*>(st[k] + i) = d.sv[k];
+    }
+  };
+  // One element, element by element: misaligned tensors and the tail of a vectorised one.
+  const auto scalar = [&](int64_t i, uint32_t r) {
     float p = master ? master[i] : S::load(param[i]);
     if constexpr (D == DType::kBFloat16) {
       if (rem) p = join_master(param[i], rem[i]);
@@ -281,7 +293,6 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     }
     if (kWriteParam) {
       if (master) master[i] = p;
-      const uint32_t r = sr ? philox_word(c.seed, first + static_cast<uint64_t>(i), b.sr_s0, kStreamOptim) : 0u;
       param[i] = store_param<D>(p, sr, r);
       if constexpr (D == DType::kBFloat16) {
         if (rem) {
@@ -291,6 +302,49 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
         }
       }
     }
+  };
+
+  const int64_t head = vec ? n / kVec * kVec : 0;
+  if (!sr) {
+    for (int64_t i = int64_t{threadIdx.x} * kVec; i < head; i += int64_t{kThreads} * kVec) {
+      VecIn d;
+      load_vec(i, d);
+      finish_vec(i, d, nullptr);
+    }
+    for (int64_t i = head + threadIdx.x; i < n; i += kThreads) scalar(i, 0u);
+    return;
+  }
+  // Stochastic rounding: every thread runs every window (the barriers). A window's Philox blocks are
+  // computed while its elements' loads are in flight, into the buffer the previous window did not use.
+  uint4* const bufs = sr_buffers();
+  const int lead = static_cast<int>(first & 7u);  // windows start at multiples of kSrWindow: all at this place
+  if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
+  __syncthreads();
+  int w = 0;
+  for (int64_t base = 0; base < head; base += kSrWindow, ++w) {
+    const int64_t i = base + int64_t{threadIdx.x} * kVec;
+    VecIn d;
+    if (i < head) load_vec(i, d);
+    const int64_t next = base + kSrWindow;
+    if (next < head)
+      sr_fill(bufs + ((w + 1) & 1) * kSrBlocks, c.seed, first + static_cast<uint64_t>(next),
+              head - next < kSrWindow ? head - next : kSrWindow, b.sr_s0);
+    if (i < head) {
+      const uint4* cur = bufs + (w & 1) * kSrBlocks;
+      uint32_t words[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) words[e] = sr_bits(cur, lead, threadIdx.x * kVec + e);
+      finish_vec(i, d, words);
+    }
+    __syncthreads();
+  }
+  // Element by element, a window of kThreads at a time; its first element need not start a block.
+  for (int64_t base = head; base < n; base += kThreads) {
+    sr_fill(bufs, c.seed, first + static_cast<uint64_t>(base), n - base < kThreads ? n - base : kThreads, b.sr_s0);
+    __syncthreads();
+    const int64_t i = base + threadIdx.x;
+    if (i < n) scalar(i, sr_bits(bufs, static_cast<int>((first + static_cast<uint64_t>(base)) & 7u), threadIdx.x));
+    __syncthreads();
   }
 }
 
