@@ -1,6 +1,7 @@
 """mpfused's optimizers and scaler on torch's distributed engines, 2 and 4 gloo ranks on the CPU: FSDP2
 (``fully_shard``: DTensor params sharded on dim 0, some ranks holding empty shards), HSDP on a 2x2 mesh
-(replicate x shard), DDP, and FSDP1 (which needs one accelerator per rank: skipped here, with the reason).
+(replicate x shard), DDP, and FSDP1 (``FullyShardedDataParallel`` with ``device_id=cpu``: FlatParameters,
+plain tensors, each rank a padded shard; on NCCL too where a machine has a GPU per rank).
 
 Each setup trains the same model on the same data with our FusedAdamW (or FusedSGD) + mpfused.GradScaler +
 its fused clip, and with torch's AdamW (SGD) + torch.amp.GradScaler + torch's clip for that setup. Losses,
@@ -58,10 +59,10 @@ def _wrap(kind, world, param_dtype=None, model_dtype=None, round_init=None):
         m = m.to(round_init).float()
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(m), None
-    if kind == "fsdp1":  # one GPU per rank (NCCL): FlatParameters, plain tensors, each rank a shard
+    if kind == "fsdp1":  # FlatParameters: plain tensors, each rank a (padded) shard of the flattened params
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(m.cuda(), device_id=torch.cuda.current_device()), None
+        return FullyShardedDataParallel(m, device_id=torch.device(_fsdp1_device())), None
     if kind in ("fsdp2", "hsdp"):
         mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)) if kind == "fsdp2" else
                 init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
@@ -75,6 +76,11 @@ def _wrap(kind, world, param_dtype=None, model_dtype=None, round_init=None):
     raise ValueError(kind)
 
 
+def _fsdp1_device():
+    """FSDP1's device: a GPU per rank under NCCL, else the CPU (gloo)."""
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
@@ -86,7 +92,7 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
     (``planned=False``: never: the full path as the reference for the planned one)."""
     model, mesh = _wrap(kind, world, param_dtype, model_dtype, round_init)
     params = list(model.parameters())
-    device = "cuda" if kind == "fsdp1" else "cpu"
+    device = _fsdp1_device().split(":")[0] if kind == "fsdp1" else "cpu"
     if optim == "adamw":
         kw = dict(master_weights=master_weights) if ours else {}
         if rounding:
@@ -112,6 +118,10 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
         elif scaler_mesh:
             kw = dict(device_mesh=mesh)
         scaler = mpfused.GradScaler(device, init_scale=2.0**10, growth_interval=2, **kw)
+    elif kind == "fsdp1":  # torch's scaler for FSDP1: found_inf all-reduced over the ranks
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device, init_scale=2.0**10, growth_interval=2)
     else:
         scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     from torch.distributed.tensor.debug import CommDebugMode
@@ -347,7 +357,7 @@ def _sr_inputs():
 
 def _cases(rank, world):
     out = {"sharding-invariant": _stochastic_and_loading(rank, world), "edge": _edge_cases(rank, world)}
-    kinds = ["fsdp2", "ddp"] + (["hsdp"] if world == 4 else [])
+    kinds = ["fsdp2", "ddp", "fsdp1"] + (["hsdp"] if world == 4 else [])
     for kind in kinds:
         for ours in (True, False):
             out[(kind, ours)] = _train(kind, world, rank, ours, scaler_mesh=kind == "hsdp")
@@ -383,26 +393,29 @@ def runs(request):
     return world, run_ranks(_cases, world)
 
 
-def test_fsdp2_hsdp_ddp_match_torch(runs):
+def test_fsdp2_hsdp_ddp_fsdp1_match_torch(runs):
     world, results = runs
     for rank, r in enumerate(results):
-        for kind in ("fsdp2", "ddp", "fsdp2-sgd") + (("hsdp",) if world == 4 else ()):
+        for kind in ("fsdp2", "ddp", "fsdp1", "fsdp2-sgd") + (("hsdp",) if world == 4 else ()):
             _compare(f"{kind} rank {rank}", r[(kind, True)], r[(kind, False)])
     # the collectives of an iteration: the fused clip reduces found_inf and the sum of squares together
     # (FSDP2: one SUM; HSDP: a SUM in the shard group and a MAX across replicas; DDP: the MAX of found_inf
-    # alone, replicated grads hold the global norm), and the optimizer step has none (x1000 in the count)
-    expect = {"fsdp2": 1, "ddp": 1, "fsdp2-sgd": 1, "hsdp": 2}
+    # alone, replicated grads hold the global norm; FSDP1, grad_sharding="sharded": one SUM of both), and the
+    # optimizer step has none (x1000 in the count)
+    expect = {"fsdp2": 1, "ddp": 1, "fsdp1": 1, "fsdp2-sgd": 1, "hsdp": 2}
     for r in results:
         for kind, n in expect.items():
             if (kind, True) in r:
                 assert r[(kind, True)]["collectives"] == [n] * STEPS, (kind, r[(kind, True)]["collectives"])
-    for kind in ("fsdp2", "ddp") + (("hsdp",) if world == 4 else ()):
-        # the norm is global and the scale the same on every rank; the params are the same model
+    for kind in ("fsdp2", "ddp", "fsdp1") + (("hsdp",) if world == 4 else ()):
+        # the norm is global and the scale the same on every rank; the params are the same model (FSDP1's
+        # are each rank's own shard of the flattened params)
         for r in results[1:]:
             assert r[(kind, True)]["norms"] == results[0][(kind, True)]["norms"], kind
             assert r[(kind, True)]["scales"] == results[0][(kind, True)]["scales"], kind
-            for p, q in zip(r[(kind, True)]["params"], results[0][(kind, True)]["params"]):
-                assert torch.equal(p, q), kind
+            if kind != "fsdp1":
+                for p, q in zip(r[(kind, True)]["params"], results[0][(kind, True)]["params"]):
+                    assert torch.equal(p, q), kind
 
 
 def test_the_planned_step_on_dtensors_equals_the_full_path(runs):
@@ -495,7 +508,7 @@ def test_review_edge_cases(runs):
 
 def test_overflow_on_one_rank_skips_every_rank(runs):
     world, results = runs
-    for kind in ("fsdp2", "ddp") + (("hsdp",) if world == 4 else ()):
+    for kind in ("fsdp2", "ddp", "fsdp1") + (("hsdp",) if world == 4 else ()):
         scales = {tuple(r[(kind, "overflow")]["scales"]) for r in results}
         assert len(scales) == 1, (kind, scales)  # the same scale on every rank, every step
         for rank, r in enumerate(results):
@@ -538,14 +551,12 @@ def _fsdp1_cases(rank, world):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp1_matches_torch(world):
-    """FSDP1 (FlatParameter: plain tensors, each rank a shard): our scaler with process_group and
-    grad_sharding='sharded' against torch.amp.GradScaler + FSDP1's own clip_grad_norm_. torch's FSDP1
-    refuses CPU-only processes ("FSDP needs a non-CPU accelerator device"), so this needs a GPU per rank
-    (NCCL); tests/test_scaler_distributed.py covers the same sharded-norm math on the CPU, with plain
-    tensors sharded by hand."""
+def test_fsdp1_on_nccl_matches_torch(world):
+    """FSDP1 with a GPU per rank (NCCL), as the gloo runs above check it on the CPU: our scaler with
+    process_group and grad_sharding='sharded' against torch's ShardedGradScaler + FSDP1's own
+    clip_grad_norm_."""
     if torch.cuda.device_count() < world or not dist.is_nccl_available():
-        pytest.skip(f"FSDP1 needs one GPU per rank and NCCL: {world} ranks, {torch.cuda.device_count()} GPU(s) here")
+        pytest.skip(f"FSDP1 on NCCL needs one GPU per rank: {world} ranks, {torch.cuda.device_count()} GPU(s) here")
     results = run_ranks(_fsdp1_cases, world, backend="nccl")
     for rank, r in enumerate(results):
         _compare(f"fsdp1 rank {rank}", r[True], r[False])
