@@ -62,10 +62,11 @@ def _wrap(kind, world, param_dtype=None, model_dtype=None, round_init=None):
     if kind == "fsdp1":  # FlatParameters: plain tensors, each rank a (padded) shard of the flattened params
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(m, device_id=torch.device(_fsdp1_device())), None
+        return FullyShardedDataParallel(m, device_id=torch.device(_device(), _rank_gpu())), None
     if kind in ("fsdp2", "hsdp"):
-        mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)) if kind == "fsdp2" else
-                init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+        dev = _device()
+        mesh = (init_device_mesh(dev, (world,), mesh_dim_names=("shard",)) if kind == "fsdp2" else
+                init_device_mesh(dev, (2, world // 2), mesh_dim_names=("replicate", "shard")))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
             MixedPrecisionPolicy()
         for layer in m:
@@ -76,13 +77,18 @@ def _wrap(kind, world, param_dtype=None, model_dtype=None, round_init=None):
     raise ValueError(kind)
 
 
-def _fsdp1_device():
-    """FSDP1's device: a GPU per rank under NCCL, else the CPU (gloo)."""
-    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+def _device():
+    """The ranks' device: a GPU per rank under NCCL, else the CPU (gloo)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _rank_gpu():
+    return torch.cuda.current_device() if _device() == "cuda" else None
 
 
 def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+    # a copy: on one rank full_tensor() may give the local shard itself
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_rank=None, overflow_step=None,
@@ -92,7 +98,7 @@ def _train(kind, world, rank, ours, optim="adamw", param_dtype=None, overflow_ra
     (``planned=False``: never: the full path as the reference for the planned one)."""
     model, mesh = _wrap(kind, world, param_dtype, model_dtype, round_init)
     params = list(model.parameters())
-    device = _fsdp1_device().split(":")[0] if kind == "fsdp1" else "cpu"
+    device = _device()
     if optim == "adamw":
         kw = dict(master_weights=master_weights) if ours else {}
         if rounding:
@@ -540,25 +546,40 @@ def test_bad_setups_raise_clear_errors_on_every_rank(runs):
         assert bad["planned"] and bad["untouched planned"], rank
 
 
-def _fsdp1_cases(rank, world):
+def _nccl_cases(rank, world):
     torch.cuda.set_device(rank)
-    out = {ours: _train("fsdp1", world, rank, ours) for ours in (True, False)}
-    out["overflow"] = _train("fsdp1", world, rank, True, overflow_rank=world - 1, overflow_step=1)
+    out = {}
+    for kind in ("fsdp2", "fsdp1"):
+        for ours in (True, False):
+            out[(kind, ours)] = _train(kind, world, rank, ours)
+        out[(kind, "overflow")] = _train(kind, world, rank, True, overflow_rank=world - 1, overflow_step=1)
+    for ours in (True, False):
+        out[("fsdp2-bf16", ours)] = _train("fsdp2", world, rank, ours, param_dtype=torch.bfloat16)
     for r in out.values():
         r.pop("opt", None)
     return out
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp1_on_nccl_matches_torch(world):
-    """FSDP1 with a GPU per rank (NCCL), as the gloo runs above check it on the CPU: our scaler with
-    process_group and grad_sharding='sharded' against torch's ShardedGradScaler + FSDP1's own
-    clip_grad_norm_."""
-    if torch.cuda.device_count() < world or not dist.is_nccl_available():
-        pytest.skip(f"FSDP1 on NCCL needs one GPU per rank: {world} ranks, {torch.cuda.device_count()} GPU(s) here")
-    results = run_ranks(_fsdp1_cases, world, backend="nccl")
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp_on_nccl_matches_torch(world):
+    """FSDP2 (FP32 and BF16 compute) and FSDP1 with a GPU per rank over NCCL, as the gloo runs above check
+    them on the CPU: our CUDA kernels on CUDA DTensor shards and flat params against torch's AdamW, clip and
+    scaler; an overflow on the last rank skips every rank. One rank where the machine has one GPU."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not dist.is_nccl_available():
+        pytest.skip(f"NCCL with a GPU per rank: {world} rank(s), "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s) here")
+    results = run_ranks(_nccl_cases, world, backend="nccl")
     for rank, r in enumerate(results):
-        _compare(f"fsdp1 rank {rank}", r[True], r[False])
-        assert r["overflow"]["unchanged"] == [False, True, False, False] and r["overflow"]["skipped"] == 1
-        assert r["overflow"]["scales"] == results[0]["overflow"]["scales"] == [1024.0, 512.0, 512.0, 1024.0]
+        for kind in ("fsdp2", "fsdp1"):
+            _compare(f"{kind} rank {rank}", r[(kind, True)], r[(kind, False)])
+            o = r[(kind, "overflow")]
+            assert o["unchanged"] == [False, True, False, False] and o["skipped"] == 1, (kind, rank, o)
+            assert o["scales"] == results[0][(kind, "overflow")]["scales"] == [1024.0, 512.0, 512.0, 1024.0]
+            assert r[(kind, True)]["norms"] == results[0][(kind, True)]["norms"], (kind, rank)
+        a, b = r[("fsdp2-bf16", True)], r[("fsdp2-bf16", False)]
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=DIST_BF16_LOSS_RTOL,
+                                   atol=0)
+        assert a["scales"] == b["scales"]
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=DIST_BF16_PARAM_ATOL)
