@@ -144,31 +144,37 @@ __device__ __forceinline__ float element(float& p, float* s, float graw, const B
 // the window touches is computed once, by one thread (thread t: the window's t-th block), into shared
 // memory. Element w of the window then reads its 16 bits at half-word lead + w, lead being the place of the
 // window's first element in its block (element k of a block is half-word k of the block's four words, low
-// half first). Drawn by each thread for its own four elements, a block was computed two or four times (the
-// four straddle two blocks unless the tensor's Philox index is a multiple of four), and per element eight.
+// half first). Drawn by each thread for its own four elements, as before, a block was computed by each of
+// the two or three threads whose elements it covers, and the element-wise loop computed one per element.
+// (A block that straddles two windows is still computed for both: 129 blocks per 128 where lead != 0.)
 constexpr int kSrWindow = kThreads * kVec;                    // the elements of one vector iteration
 constexpr int kSrBlocks = kSrWindow / kElementsPerBlock + 1;  // a window that starts mid-block touches one more
+constexpr int kSrWords = 4 * kSrBlocks;                       // one buffer: the blocks' 32-bit words
+constexpr int kSrBuffers = 3;
 static_assert(kSrWindow % kElementsPerBlock == 0, "every window must start at the same place in its block");
 static_assert(kSrBlocks <= kThreads && kThreads / kElementsPerBlock + 1 <= kSrBlocks, "a thread per block");
 
-// Two buffers: an iteration fills the next window's while it reads its own, one __syncthreads apart.
-__device__ __forceinline__ uint4* sr_buffers() {
-  __shared__ uint4 buf[2][kSrBlocks];
-  return &buf[0][0];
+// Three buffers (see process_chunk): window w's in buffer w % 3.
+__device__ __forceinline__ uint32_t* sr_buffers() {
+  __shared__ __align__(16) uint32_t buf[kSrBuffers * kSrWords];
+  return buf;
 }
 
 // Fills buf with the blocks of elements index0 .. index0 + count - 1 of stream (s0, kStreamOptim).
-__device__ __forceinline__ void sr_fill(uint4* buf, uint64_t seed, uint64_t index0, int64_t count, uint32_t s0) {
+__device__ __forceinline__ void sr_fill(uint32_t* buf, uint64_t seed, uint64_t index0, int64_t count, uint32_t s0) {
   const int64_t blocks = (static_cast<int64_t>(index0 & 7u) + count + 7) / kElementsPerBlock;
   if (threadIdx.x < blocks) {
     const Philox4 p = philox_block(seed, index0 / kElementsPerBlock + threadIdx.x, s0, kStreamOptim);
-    buf[threadIdx.x] = make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
+    *reinterpret_cast<uint4*>(buf + 4 * threadIdx.x) = make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
   }
 }
 
-// The bits of element w of a window (philox_bits' form: the top 16 bits of the word).
-__device__ __forceinline__ uint32_t sr_bits(const uint4* buf, int lead, int w) {
-  return static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(buf)[lead + w]) << 16;
+// The bits of element w of a window whose first element is element `lead` of its block: philox_bits' form
+// (the top 16 bits of the value).
+__device__ __forceinline__ uint32_t sr_bits(const uint32_t* buf, int lead, int w) {
+  const int h = lead + w;  // the element's half-word
+  const uint32_t word = buf[h >> 1];
+  return (h & 1) ? (word & 0xFFFF0000u) : (word << 16);
 }
 
 // A 16-bit param's bits from its FP32 result: round to nearest, or stochastically with word r.
@@ -314,12 +320,15 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     for (int64_t i = head + threadIdx.x; i < n; i += kThreads) scalar(i, 0u);
     return;
   }
-  // Stochastic rounding: every thread runs every window (the barriers). A window's Philox blocks are
-  // computed while its elements' loads are in flight, into the buffer the previous window did not use.
-  uint4* const bufs = sr_buffers();
+  // Stochastic rounding: every thread runs every window (the barriers). Window w: its loads are issued,
+  // window w + 1's Philox blocks are computed while they are in flight, a barrier, then the update, which
+  // reads window w's bits. Three buffers, so that the barrier can come before the update: buffer (w + 1) % 3,
+  // filled in iteration w, was last read in iteration w - 2, before barrier w - 1, which every thread
+  // passed before iteration w (two buffers would need a barrier after the update too, and a warp could
+  // then issue no load for window w + 1 before the slowest warp had finished window w).
+  uint32_t* const bufs = sr_buffers();
   const int lead = static_cast<int>(first & 7u);  // windows start at multiples of kSrWindow: all at this place
   if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
-  __syncthreads();
   int w = 0;
   for (int64_t base = 0; base < head; base += kSrWindow, ++w) {
     const int64_t i = base + int64_t{threadIdx.x} * kVec;
@@ -327,17 +336,18 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     if (i < head) load_vec(i, d);
     const int64_t next = base + kSrWindow;
     if (next < head)
-      sr_fill(bufs + ((w + 1) & 1) * kSrBlocks, c.seed, first + static_cast<uint64_t>(next),
+      sr_fill(bufs + ((w + 1) % kSrBuffers) * kSrWords, c.seed, first + static_cast<uint64_t>(next),
               head - next < kSrWindow ? head - next : kSrWindow, b.sr_s0);
+    __syncthreads();
     if (i < head) {
-      const uint4* cur = bufs + (w & 1) * kSrBlocks;
+      const uint32_t* cur = bufs + (w % kSrBuffers) * kSrWords;
       uint32_t words[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) words[e] = sr_bits(cur, lead, threadIdx.x * kVec + e);
       finish_vec(i, d, words);
     }
-    __syncthreads();
   }
+  if (head > 0) __syncthreads();  // the last window's reads, before buffer 0 is filled again
   // Element by element, a window of kThreads at a time; its first element need not start a block.
   for (int64_t base = head; base < n; base += kThreads) {
     sr_fill(bufs, c.seed, first + static_cast<uint64_t>(base), n - base < kThreads ? n - base : kThreads, b.sr_s0);

@@ -73,7 +73,10 @@ def rewrite_launches(text: str) -> str:
 DYNAMIC_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\((?P<align>\d+)\)\s+)?(?P<type>[A-Za-z_][\w\s:]*?)\s+(?P<name>\w+)\s*\[\s*\]\s*;"
 )
-STATIC_SHARED = re.compile(r"__shared__\s+(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>\w+)\s*(?P<dims>(?:\[[^\]\n]+\]\s*)*);")
+STATIC_SHARED = re.compile(
+    r"__shared__\s+(?:__align__\((?P<align>\d+)\)\s+)?(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>\w+)\s*"
+    r"(?P<dims>(?:\[[^\]\n]+\]\s*)*);"
+)
 
 
 def rewrite_shared(text: str) -> str:
@@ -81,7 +84,8 @@ def rewrite_shared(text: str) -> str:
         lambda m: f"{m['type']}* {m['name']} = ::mpf_sim::dynamic_shared_as<{m['type']}>({m['align'] or 16});", text
     )
     text = STATIC_SHARED.sub(
-        lambda m: f"auto& {m['name']} = ::mpf_sim::shared<{m['type']}{m['dims'].strip()}>([] {{}});", text
+        lambda m: f"auto& {m['name']} = ::mpf_sim::shared<{m['type']}{m['dims'].strip()}, {m['align'] or 0}>([] {{}});",
+        text,
     )
     if "__shared__" in text:
         raise ValueError("a __shared__ declaration the rewriter does not understand")

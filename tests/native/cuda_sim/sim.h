@@ -126,11 +126,12 @@ void land_copy16(void* dst, const void* src, int src_bytes);  // sim_land.cpp
 void land_poison16(void* dst);
 
 // Statically allocated __shared__ variables: one per declaration (and per instantiation of the enclosing
-// template, which the lambda's type tells apart) and per block.
-template <class T, class Site>
+// template, which the lambda's type tells apart) and per block, aligned as the type and an __align__(Align)
+// of the declaration require.
+template <class T, size_t Align, class Site>
 T& shared(Site) {
   static const char site = 0;
-  return *static_cast<T*>(shared_slot(&site, sizeof(T), alignof(T)));
+  return *static_cast<T*>(shared_slot(&site, sizeof(T), Align > alignof(T) ? Align : alignof(T)));
 }
 template <class T>
 T* dynamic_shared_as(size_t align) {
