@@ -31,6 +31,8 @@ def _entry(body, rank, world, init_file, results, args, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, chosen before NCCL makes its communicator
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         try:
