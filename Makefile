@@ -21,7 +21,7 @@ NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
 .PHONY: venv build test test-python test-native test-cuda-sim test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
-        gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench \
+        gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench gpu-check-profile \
         gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck \
         gpu-prebuild gpu-window clean
 
@@ -128,6 +128,7 @@ cuda-check: sass-check cuda-install-check
 #   make gpu-check-sanitize-memcheck FILES="tests/test_gemm.py"   one tool over some test files
 #   make gpu-check-tests FILES="tests/test_optim.py"               the GPU cases of some test files
 #   make gpu-check-bench BENCH="bench_optim bench_gemm"            some benchmarks
+#   make gpu-check-profile WORKLOADS="adamw-fp16-stochastic"        ncu over some kernels (profile_kernels.py)
 SANITIZERS := memcheck racecheck synccheck initcheck
 gpu-check:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh all
@@ -143,6 +144,9 @@ $(addprefix gpu-check-sanitize-,$(SANITIZERS)):
 
 gpu-check-bench:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh bench $(BENCH)
+
+gpu-check-profile:
+	PYTHON=$(PYTHON) bash .ci/gpu_check.sh profile $(WORKLOADS)
 
 # A GPU window is short (15 minutes of device time, the machine's start included): the extension is built
 # beforehand, here, for the GPU machine's Python, torch and arch (GPU_PYTHON, GPU_TORCH_SPEC, GPU_ARCHS;

@@ -17,6 +17,10 @@
 #   bash .ci/gpu_check.sh bench [NAME...]
 #                                     the benchmarks (or benchmarks/NAME.py) on CUDA, short repetition mode,
 #                                     JSON under benchmarks/results/ named after the GPU
+#   bash .ci/gpu_check.sh profile [WORKLOAD...]
+#                                     Nsight Compute (ncu) over the kernels behind the missed goals
+#                                     (benchmarks/profile_kernels.py): one table of DRAM and SM throughput,
+#                                     registers, occupancy, cycles per issued instruction
 #   bash .ci/gpu_check.sh report      every stage's summary line and the JSON the benchmarks wrote
 #   bash .ci/gpu_check.sh all         every stage in turn (each still under its own timeout)
 #   bash .ci/gpu_check.sh window [SECONDS] [STAGE...]
@@ -44,22 +48,30 @@ KERNEL_TEST_FILES=(tests/test_overflow.py tests/test_optim.py tests/test_lamb.py
                    tests/test_gemm.py tests/test_nn.py tests/test_random.py tests/test_fixed_point.py
                    tests/test_optim_precision.py tests/test_torch_ops.py tests/test_cuda_launches.py)
 
-find_sanitizer() {
-  if [ -n "${COMPUTE_SANITIZER:-}" ]; then
-    if [ -x "$COMPUTE_SANITIZER" ] || command -v "$COMPUTE_SANITIZER" >/dev/null; then echo "$COMPUTE_SANITIZER"; return; fi
+# A CUDA tool ($1: compute-sanitizer, ncu): the path in $2 (an override: it must work), else on PATH, in
+# $CUDA_HOME/bin and the like, beside nvcc, or in an Nsight Compute folder of the toolkit or /opt/nvidia.
+find_cuda_tool() {
+  local name=$1 override=${2:-}
+  if [ -n "$override" ]; then
+    if [ -x "$override" ] || command -v "$override" >/dev/null; then echo "$override"; return; fi
     return 1
   fi
-  if command -v compute-sanitizer >/dev/null; then command -v compute-sanitizer; return; fi
+  if command -v "$name" >/dev/null; then command -v "$name"; return; fi
+  local home nvcc dir
   for home in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
-    if [ -n "$home" ] && [ -x "$home/bin/compute-sanitizer" ]; then echo "$home/bin/compute-sanitizer"; return; fi
+    if [ -n "$home" ] && [ -x "$home/bin/$name" ]; then echo "$home/bin/$name"; return; fi
   done
-  local nvcc
   if nvcc=$(command -v nvcc); then
     nvcc=$(readlink -f "$nvcc")
-    if [ -x "$(dirname "$nvcc")/compute-sanitizer" ]; then echo "$(dirname "$nvcc")/compute-sanitizer"; return; fi
+    if [ -x "$(dirname "$nvcc")/$name" ]; then echo "$(dirname "$nvcc")/$name"; return; fi
   fi
+  for dir in "${CUDA_HOME:-/usr/local/cuda}"/nsight-compute* /opt/nvidia/nsight-compute/*; do
+    if [ -x "$dir/$name" ]; then echo "$dir/$name"; return; fi
+  done
   return 1
 }
+find_sanitizer() { find_cuda_tool compute-sanitizer "${COMPUTE_SANITIZER:-}"; }
+find_ncu() { find_cuda_tool ncu "${NCU:-}"; }
 
 # "N passed, M skipped in Xs" from a pytest log (its last summary line).
 pytest_counts() {
@@ -293,6 +305,40 @@ stage_bench() {
   return "$failed"
 }
 
+# Nsight Compute over the workloads of benchmarks/profile_kernels.py (the kernels behind the missed goals),
+# one process each: the first launch of the workload's kernel, with the sections of profile_kernels.SECTIONS,
+# as CSV in $LOGS/profile-WORKLOAD.csv; then one table of them ($LOGS/profile.tsv, profile.json).
+stage_profile() {
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  require_build || return 1
+  local ncu
+  ncu=$(find_ncu) || { echo "ncu (Nsight Compute) not found: set NCU=/path/to/ncu"; return 1; }
+  local list
+  list=$("$PY" -m benchmarks.profile_kernels list) || return 1
+  local names=("$@")
+  [ ${#names[@]} -gt 0 ] || mapfile -t names < <(printf '%s\n' "$list" | cut -f1)
+  local sections=() s
+  for s in $("$PY" -c "from benchmarks.profile_kernels import SECTIONS; print(' '.join(SECTIONS))"); do
+    sections+=(--section "$s")
+  done
+  local name kernel csvs=() failed=0
+  for name in "${names[@]}"; do
+    kernel=$(printf '%s\n' "$list" | awk -F'\t' -v n="$name" '$1 == n {print $2}')
+    if [ -z "$kernel" ]; then echo "profile: unknown workload '$name'"; failed=1; continue; fi
+    echo "== $name (kernel $kernel)"
+    local out="$LOGS/profile-$name.csv"
+    "$ncu" --target-processes all --kernel-name "regex:$kernel" --launch-count 1 "${sections[@]}" --csv \
+      --page details --log-file "$out" "$PY" -m benchmarks.profile_kernels run "$name" || failed=1
+    grep -m 3 "==ERROR==\|==WARNING==" "$out" || true
+    csvs+=("$out")
+  done
+  [ ${#csvs[@]} -gt 0 ] || return 1
+  "$PY" -m benchmarks.profile_kernels summarize "${csvs[@]}" --json "$LOGS/profile.json" | tee "$LOGS/profile.tsv"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+  echo "DETAIL profiled ${#csvs[@]} workload(s) with $(basename "$ncu"): $LOGS/profile.tsv"
+  return "$failed"
+}
+
 stage_report() {
   echo "== summary of the stages run (build/gpu-check/summary.tsv)"
   if [ -f "$LOGS/summary.tsv" ]; then
@@ -317,8 +363,9 @@ run_stage() {  # inside the timeout
     tests) stage_tests "$@" ;;
     sanitize) stage_sanitize "$@" ;;
     bench) stage_bench "$@" ;;
+    profile) stage_profile "$@" ;;
     report) stage_report ;;
-    *) echo "unknown stage '$stage': deps, build, tests [FILE...], sanitize TOOL [FILE...], bench [NAME...], report, all"; return 2 ;;
+    *) echo "unknown stage '$stage': deps, build, tests [FILE...], sanitize TOOL [FILE...], bench [NAME...], profile [WORKLOAD...], report, all"; return 2 ;;
   esac
 }
 
@@ -381,6 +428,7 @@ case "${1:-all}" in
     stage_with_timeout tests || rc=1
     for tool in memcheck racecheck synccheck initcheck; do stage_with_timeout sanitize "$tool" || rc=1; done
     stage_with_timeout bench || rc=1
+    stage_with_timeout profile || rc=1
     stage_with_timeout report || rc=1
     exit "$rc"
     ;;
@@ -397,8 +445,8 @@ case "${1:-all}" in
     [ ${#plan[@]} -gt 0 ] || plan=(tests bench memcheck)
     for s in "${plan[@]}"; do
       case "$s" in
-        tests | bench | memcheck | racecheck | synccheck | initcheck) ;;
-        *) echo "window: unknown stage '$s' (tests, bench, memcheck, racecheck, synccheck, initcheck)"; exit 2 ;;
+        tests | bench | profile | memcheck | racecheck | synccheck | initcheck) ;;
+        *) echo "window: unknown stage '$s' (tests, bench, profile, memcheck, racecheck, synccheck, initcheck)"; exit 2 ;;
       esac
     done
     deadline=$((SECONDS + budget))
@@ -427,6 +475,7 @@ case "${1:-all}" in
           # the benchmarks that hold the goals first
           bench) BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-0.3} within "${WINDOW_BENCH_SECONDS:-150}" bench \
                    bench_optim bench_overflow bench_scaler bench_gemm bench_random bench_fixed_point || rc=1 ;;
+          profile) within 0 profile || rc=1 ;;
           *) within 0 sanitize "$s" || rc=1 ;;
         esac
       done

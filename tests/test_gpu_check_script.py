@@ -50,7 +50,7 @@ def test_stages_refuse_bad_arguments_and_a_missing_build(tmp_path):
     rc, out, line = stage(tmp_path, "nonsense")
     assert rc == 2 and "unknown stage 'nonsense'" in out
     if not torch.cuda.is_available():  # every stage checks the dependencies first
-        for name in ("build", "tests", "bench"):
+        for name in ("build", "tests", "bench", "profile"):
             rc, out, line = stage(tmp_path, name)
             assert rc != 0 and line.startswith(f"gpu-check {name}: FAIL") and "missing" in line, out
     # a stage run again replaces its line; the report lists every stage and fails while one has not passed
@@ -170,9 +170,9 @@ def test_a_prebuilt_extension_is_reused_only_where_its_key_and_arch_fit(tmp_path
 def test_a_window_refuses_unknown_stages_and_reports_what_it_ran(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOGS=str(tmp_path / "logs"), GPU_WINDOW_OUT=str(out))
-    r = subprocess.run(["bash", str(SCRIPT), "window", "120", "tests", "lint"], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 2 and "unknown stage 'lint'" in r.stdout
+    r = subprocess.run(["bash", str(SCRIPT), "window", "120", "tests", "profile", "lint"], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "unknown stage 'lint'" in r.stdout and "'profile'" not in r.stdout
     if torch.cuda.is_available():
         return
     r = subprocess.run(["bash", str(SCRIPT), "window", "120", "bench"], capture_output=True, text=True,

@@ -1,0 +1,213 @@
+"""Nsight Compute profiles of the kernels behind issue 11's missed goals, for a short GPU window.
+
+``bash .ci/gpu_check.sh profile [WORKLOAD...]`` (``make gpu-check-profile``) runs, for each workload, one
+process of ``python -m benchmarks.profile_kernels run WORKLOAD`` under ``ncu``, which profiles the first
+launch of the workload's kernel (``--kernel-name regex:KERNEL --launch-count 1``) with the sections that
+answer "why below the roof": SpeedOfLight (duration, DRAM and SM throughput), LaunchStats (registers,
+shared memory), Occupancy (theoretical and achieved), MemoryWorkloadAnalysis, WarpStateStats (cycles per
+issued instruction) and ComputeWorkloadAnalysis (IPC). Then ``summarize`` reads the CSV files ncu wrote and
+prints one row per workload, and writes them as JSON.
+
+Each workload launches its kernel once, on sizes that keep ncu's replays short (tens of MB to a few
+hundred). ncu flushes the caches before each replay pass and, by default, locks the clocks at base: its
+durations are not the benchmarks' (``bench_*`` measure those); its percentages of the peaks are what the
+profile is for.
+
+    python -m benchmarks.profile_kernels list                  the workloads and their kernels
+    python -m benchmarks.profile_kernels run WORKLOAD          the workload once (under ncu)
+    python -m benchmarks.profile_kernels summarize CSV... [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    kernel: str  # the regex ncu selects the kernel by (its function name)
+    goal: str    # the goal it misses (or the pair it belongs to)
+    run: Callable[[torch.device], None]
+
+
+def _sizes(total: int, n: int = 300) -> list[int]:
+    """n tensor sizes summing to total, of mixed magnitudes (the benchmarks' lists in small)."""
+    from benchmarks.bench_overflow import model_like_sizes
+
+    return model_like_sizes(n, total)
+
+
+def _check(dtype: torch.dtype) -> Callable[[torch.device], None]:
+    def run(device: torch.device) -> None:
+        import mpfused
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        grads = [torch.randn(n, dtype=dtype, device=device, generator=gen) for n in _sizes(64 << 20)]
+        mpfused.non_finite_check_(grads, torch.zeros(1, device=device))
+
+    return run
+
+
+def _adamw(master_weights: bool, rounding: str) -> Callable[[torch.device], None]:
+    def run(device: torch.device) -> None:
+        from mpfused.optim import FusedAdamW
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        params = []
+        for n in _sizes(32 << 20):
+            p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen).half())
+            p.grad = torch.randn(n, device=device, generator=gen).half()
+            params.append(p)
+        opt = FusedAdamW(params, lr=1e-3, master_weights=master_weights,
+                         **({} if master_weights else {"rounding": rounding}))
+        opt.step()
+
+    return run
+
+
+def _gemm(device: torch.device) -> None:
+    import mpfused
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(4096, 4096, device=device, generator=gen).half() for _ in range(2))
+    mpfused.gemm(a, b)
+
+
+def _convert(device: torch.device) -> None:
+    import mpfused.fixed_point as fp
+
+    x = torch.randn(32 << 20, device=device, generator=torch.Generator(device=device).manual_seed(0))
+    fp.quantize(x, 2, 14, rounding="stochastic", seed=1, out=torch.empty_like(x))
+
+
+# In the order a short window should take them: the largest gaps first.
+WORKLOADS: dict[str, Workload] = {
+    "adamw-fp16-stochastic": Workload("optim_kernel", "stochastic / nearest step <= 1.10", _adamw(False, "stochastic")),
+    "adamw-fp16-nearest": Workload("optim_kernel", "stochastic / nearest step <= 1.10", _adamw(False, "nearest")),
+    "adamw-o2-fp16": Workload("optim_kernel", "O2 AdamW >= 90% of the copy roof", _adamw(True, "nearest")),
+    "check-fp16": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float16)),
+    "check-fp32": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float32)),
+    "gemm-fp16-4096": Workload("gemm_kernel", "WMMA GEMM >= 50% of cuBLAS", _gemm),
+    "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
+}
+
+# ncu's section names, and the metrics of its details page the summary keeps (name in the CSV -> column).
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "WarpStateStats",
+            "ComputeWorkloadAnalysis")
+COLUMNS = {
+    "Duration": "duration",
+    "DRAM Throughput": "DRAM %",
+    "Memory Throughput": "memory %",
+    "Compute (SM) Throughput": "SM %",
+    "Registers Per Thread": "registers",
+    "Theoretical Occupancy": "theoretical occupancy %",
+    "Achieved Occupancy": "achieved occupancy %",
+    "Warp Cycles Per Issued Instruction": "cycles per issue",
+    "Executed Ipc Active": "IPC",
+    "Static Shared Memory Per Block": "static smem",
+}
+
+
+def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
+    """The kernels of an ``ncu --csv --page details`` output (other lines, such as ``==PROF==`` messages or
+    the program's own output, are skipped): per kernel its name and {metric name: (value, unit)}, in the
+    order ncu profiled them."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
+    if start is None:
+        return []
+    kernels: dict[str, dict[str, Any]] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if not row.get("ID") or row.get("Metric Name") is None:
+            continue
+        k = kernels.setdefault(row["ID"], {"kernel": row.get("Kernel Name", ""), "metrics": {}})
+        k["metrics"][row["Metric Name"]] = (row.get("Metric Value", ""), row.get("Metric Unit", ""))
+    return list(kernels.values())
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def summarize(paths: list[Path]) -> list[dict[str, Any]]:
+    """One row per CSV file (``profile-WORKLOAD.csv``): the workload, its kernel and the kept metrics; a file
+    with no kernel in it (ncu failed, or the filter matched nothing) gives a row that says so."""
+    rows = []
+    for path in paths:
+        name = path.stem.removeprefix("profile-")
+        kernels = parse_ncu_csv(path.read_text(errors="replace"))
+        row: dict[str, Any] = {"workload": name}
+        if not kernels:
+            row["error"] = "no kernel profiled (see the log beside it)"
+        else:
+            k = kernels[0]
+            row["kernel"] = k["kernel"]
+            for metric, column in COLUMNS.items():
+                if metric in k["metrics"]:
+                    value, unit = k["metrics"][metric]
+                    num = _number(value)
+                    row[column] = num if num is not None else value
+                    if unit and not column.endswith("%") and column not in ("registers", "IPC"):
+                        row[column + " unit"] = unit
+        rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    columns = ["workload"] + list(COLUMNS.values())
+    print("\t".join(columns))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['workload']}\t{row['error']}")
+            continue
+        cells = [row["workload"]]
+        for c in COLUMNS.values():
+            v = row.get(c, "")
+            unit = row.get(c + " unit", "")
+            cells.append((f"{v:g} {unit}" if unit else f"{v:g}") if isinstance(v, float) else str(v))
+        print("\t".join(cells))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_kernels", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the workloads: name, kernel regex, goal")
+    run = sub.add_parser("run", help="one workload, once, on CUDA")
+    run.add_argument("workload", choices=list(WORKLOADS))
+    summ = sub.add_parser("summarize", help="a table of ncu's CSV files")
+    summ.add_argument("csv", nargs="+", type=Path)
+    summ.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.cmd == "list":
+        for name, w in WORKLOADS.items():
+            print(f"{name}\t{w.kernel}\t{w.goal}")
+        return 0
+    if args.cmd == "run":
+        if not torch.cuda.is_available():
+            print("profile_kernels run: needs a CUDA device", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        WORKLOADS[args.workload].run(device)
+        torch.cuda.synchronize(device)
+        return 0
+    rows = summarize(args.csv)
+    _print_rows(rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"sections": list(SECTIONS), "rows": rows}, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
