@@ -317,25 +317,28 @@ stage_profile() {
   list=$("$PY" -m benchmarks.profile_kernels list) || return 1
   local names=("$@")
   [ ${#names[@]} -gt 0 ] || mapfile -t names < <(printf '%s\n' "$list" | cut -f1)
-  local sections=() s
-  for s in $("$PY" -c "from benchmarks.profile_kernels import SECTIONS; print(' '.join(SECTIONS))"); do
-    sections+=(--section "$s")
-  done
+  local sections=() s names_of_sections
+  names_of_sections=$("$PY" -c "from benchmarks.profile_kernels import SECTIONS; print(' '.join(SECTIONS))") || return 1
+  for s in $names_of_sections; do sections+=(--section "$s"); done
+  [ ${#sections[@]} -gt 0 ] || { echo "profile: no ncu sections named"; return 1; }
   local name kernel csvs=() failed=0
   for name in "${names[@]}"; do
     kernel=$(printf '%s\n' "$list" | awk -F'\t' -v n="$name" '$1 == n {print $2}')
     if [ -z "$kernel" ]; then echo "profile: unknown workload '$name'"; failed=1; continue; fi
     echo "== $name (kernel $kernel)"
     local out="$LOGS/profile-$name.csv"
+    # base units (ns, bytes): the rows of every workload compare as they are
     "$ncu" --target-processes all --kernel-name "regex:$kernel" --launch-count 1 "${sections[@]}" --csv \
-      --page details --log-file "$out" "$PY" -m benchmarks.profile_kernels run "$name" || failed=1
+      --page details --print-units base --log-file "$out" "$PY" -m benchmarks.profile_kernels run "$name" || failed=1
     grep -m 3 "==ERROR==\|==WARNING==" "$out" || true
     csvs+=("$out")
   done
   [ ${#csvs[@]} -gt 0 ] || return 1
   "$PY" -m benchmarks.profile_kernels summarize "${csvs[@]}" --json "$LOGS/profile.json" | tee "$LOGS/profile.tsv"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-  echo "DETAIL profiled ${#csvs[@]} workload(s) with $(basename "$ncu"): $LOGS/profile.tsv"
+  local profiled
+  profiled=$(grep -l '^"ID",' "${csvs[@]}" 2>/dev/null | wc -l)
+  echo "DETAIL ncu profiled ${profiled} of ${#csvs[@]} workload(s): $LOGS/profile.tsv"
   return "$failed"
 }
 

@@ -100,7 +100,10 @@ WORKLOADS: dict[str, Workload] = {
     "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
 }
 
-# ncu's section names, and the metrics of its details page the summary keeps (name in the CSV -> column).
+# ncu's section names, and the metrics of its details page the summary keeps (name in the CSV -> column). A
+# name may appear in several sections ("Memory Throughput": a % of the peak in SpeedOfLight, bytes per second
+# in MemoryWorkloadAnalysis): a column whose name ends in "%" takes the first row of its metric in %, the
+# others the metric's first row.
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "WarpStateStats",
             "ComputeWorkloadAnalysis")
 COLUMNS = {
@@ -120,7 +123,7 @@ COLUMNS = {
 def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
     """The kernels of an ``ncu --csv --page details`` output (other lines, such as ``==PROF==`` messages or
     the program's own output, are skipped): per kernel its name and {metric name: (value, unit)}, in the
-    order ncu profiled them."""
+    order ncu profiled them; a metric's rows are listed in the order of the sections."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
     if start is None:
@@ -130,7 +133,8 @@ def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
         if not row.get("ID") or row.get("Metric Name") is None:
             continue
         k = kernels.setdefault(row["ID"], {"kernel": row.get("Kernel Name", ""), "metrics": {}})
-        k["metrics"][row["Metric Name"]] = (row.get("Metric Value", ""), row.get("Metric Unit", ""))
+        value = (row.get("Metric Value", ""), row.get("Metric Unit", ""))
+        k["metrics"].setdefault(row["Metric Name"], []).append(value)
     return list(kernels.values())
 
 
@@ -143,24 +147,27 @@ def _number(text: str) -> Optional[float]:
 
 def summarize(paths: list[Path]) -> list[dict[str, Any]]:
     """One row per CSV file (``profile-WORKLOAD.csv``): the workload, its kernel and the kept metrics; a file
-    with no kernel in it (ncu failed, or the filter matched nothing) gives a row that says so."""
+    with no kernel in it, or none at all (ncu failed, or the filter matched nothing), gives a row that says
+    so."""
     rows = []
     for path in paths:
         name = path.stem.removeprefix("profile-")
-        kernels = parse_ncu_csv(path.read_text(errors="replace"))
+        kernels = parse_ncu_csv(path.read_text(errors="replace")) if path.is_file() else []
         row: dict[str, Any] = {"workload": name}
         if not kernels:
-            row["error"] = "no kernel profiled (see the log beside it)"
+            row["error"] = "no kernel profiled (see the log beside it)" if path.is_file() else "ncu wrote no file"
         else:
             k = kernels[0]
             row["kernel"] = k["kernel"]
             for metric, column in COLUMNS.items():
-                if metric in k["metrics"]:
-                    value, unit = k["metrics"][metric]
-                    num = _number(value)
-                    row[column] = num if num is not None else value
-                    if unit and not column.endswith("%") and column not in ("registers", "IPC"):
-                        row[column + " unit"] = unit
+                found = [(v, u) for v, u in k["metrics"].get(metric, []) if u == "%" or not column.endswith("%")]
+                if not found:
+                    continue
+                value, unit = found[0]
+                num = _number(value)
+                row[column] = num if num is not None else value
+                if unit and not column.endswith("%") and column not in ("registers", "IPC"):
+                    row[column + " unit"] = unit
         rows.append(row)
     return rows
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mpfused
+from conftest import cuda_skip_reason
 from dist_helpers import run_ranks
 from mpfused.optim import FusedAdamW, FusedLAMB, FusedSGD
 from tolerances import DIST_BF16_LOSS_RTOL, DIST_BF16_PARAM_ATOL, DIST_NORM_RTOL, OPTIM_FP32_ATOL, OPTIM_LOSS_RTOL
@@ -172,7 +173,7 @@ def _compare(case, a, b):
     torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), rtol=DIST_NORM_RTOL, atol=0,
                                msg=lambda m: f"{case}: grad norms: {m}")
     assert a["scales"] == b["scales"], (case, a["scales"], b["scales"])
-    for p, q in zip(a["params"], b["params"]):
+    for p, q in zip(a["params"], b["params"], strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=OPTIM_FP32_ATOL, msg=lambda m: f"{case}: params: {m}")
 
 
@@ -547,7 +548,6 @@ def test_bad_setups_raise_clear_errors_on_every_rank(runs):
 
 
 def _nccl_cases(rank, world):
-    torch.cuda.set_device(rank)
     out = {}
     for kind in ("fsdp2", "fsdp1"):
         for ours in (True, False):
@@ -565,11 +565,16 @@ def _nccl_cases(rank, world):
 def test_fsdp_on_nccl_matches_torch(world):
     """FSDP2 (FP32 and BF16 compute) and FSDP1 with a GPU per rank over NCCL, as the gloo runs above check
     them on the CPU: our CUDA kernels on CUDA DTensor shards and flat params against torch's AdamW, clip and
-    scaler; an overflow on the last rank skips every rank. One rank where the machine has one GPU."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not dist.is_nccl_available():
-        pytest.skip(f"NCCL with a GPU per rank: {world} rank(s), "
-                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s) here")
-    results = run_ranks(_nccl_cases, world, backend="nccl")
+    scaler; an overflow on the last rank skips every rank. On a one-GPU machine one rank: the CUDA kernels
+    on DTensors and FSDP1's flat params (which FSDP1 leaves unsharded, NO_SHARD, on one rank), the scaler's
+    NCCL all-reduce for FSDP1; sharded and padded shards across GPUs need 2 or 4."""
+    reason = cuda_skip_reason()
+    if reason is None and (torch.cuda.device_count() < world or not dist.is_nccl_available()):
+        reason = f"NCCL with a GPU per rank: {world} rank(s), {torch.cuda.device_count()} GPU(s) here"
+    if reason is not None:
+        pytest.skip(reason)
+    # under the GPU check's 180 s per test (pytest-timeout), so that run_ranks still kills the ranks itself
+    results = run_ranks(_nccl_cases, world, backend="nccl", timeout=150)
     for rank, r in enumerate(results):
         for kind in ("fsdp2", "fsdp1"):
             _compare(f"{kind} rank {rank}", r[(kind, True)], r[(kind, False)])

@@ -36,6 +36,8 @@ def test_the_summary_reads_ncu_csv(tmp_path):
         HEADER,
         row(0, k, "GPU Speed Of Light Throughput", "Duration", "usecond", "1,234.56"),
         row(0, k, "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "84.20"),
+        row(0, k, "GPU Speed Of Light Throughput", "Memory Throughput", "%", "91.30"),
+        row(0, k, "Memory Workload Analysis", "Memory Throughput", "Tbyte/second", "3.05"),
         row(0, k, "Launch Statistics", "Registers Per Thread", "register/thread", "96"),
         row(0, k, "Occupancy", "Achieved Occupancy", "%", "23.9"),
         row(0, k, "Occupancy", "Some Future Metric", "", "n/a"),
@@ -44,7 +46,7 @@ def test_the_summary_reads_ncu_csv(tmp_path):
     ])
     kernels = pk.parse_ncu_csv(text)
     assert [x["kernel"] for x in kernels] == [k, "another launch"]
-    assert kernels[0]["metrics"]["Duration"] == ("1,234.56", "usecond")
+    assert kernels[0]["metrics"]["Duration"] == [("1,234.56", "usecond")]
     (tmp_path / "profile-adamw-fp16-stochastic.csv").write_text(text)
     (tmp_path / "profile-check-fp16.csv").write_text("==ERROR== ERR_NVGPUCTRPERM - no access to the counters\n")
     rows = pk.summarize([tmp_path / "profile-adamw-fp16-stochastic.csv", tmp_path / "profile-check-fp16.csv"])
@@ -52,6 +54,7 @@ def test_the_summary_reads_ncu_csv(tmp_path):
     assert first["workload"] == "adamw-fp16-stochastic" and first["kernel"] == k  # the first launch profiled
     assert first["duration"] == pytest.approx(1234.56) and first["duration unit"] == "usecond"
     assert first["DRAM %"] == pytest.approx(84.2) and first["registers"] == 96
+    assert first["memory %"] == pytest.approx(91.3)  # SpeedOfLight's %, not MemoryWorkloadAnalysis's bytes/s
     assert first["achieved occupancy %"] == pytest.approx(23.9)
     assert "SM %" not in first  # a metric ncu did not write is left out, not invented
     assert failed["workload"] == "check-fp16" and "no kernel profiled" in failed["error"]
@@ -67,5 +70,7 @@ def test_the_command_line_summarizes_and_fails_on_a_missing_profile(tmp_path, ca
     empty = tmp_path / "profile-convert-stochastic.csv"
     empty.write_text("")
     assert pk.main(["summarize", str(good), str(empty)]) == 1
+    rows = pk.summarize([good, tmp_path / "profile-never-written.csv"])
+    assert rows[1] == {"workload": "never-written", "error": "ncu wrote no file"}
     with pytest.raises(SystemExit):
         pk.main(["run", "no-such-workload"])
