@@ -117,6 +117,31 @@ def use_cuda() -> bool:
     return True
 
 
+def gencode_flags(arch_list: str, sm90a_ok: bool = True) -> tuple[list[str], bool]:
+    """nvcc's -gencode flags for a TORCH_CUDA_ARCH_LIST ("7.5;8.0;9.0+PTX": machine code for each, PTX for
+    the "+PTX" ones), and whether they hold sm_90a code. Compute capability 9.0's machine code is built for
+    sm_90a, the arch-specific target whose warpgroup MMAs the Hopper GEMM kernel uses (it runs on 9.0 GPUs
+    only, as sm_90 code does); its PTX stays compute_90, which newer GPUs can compile. sm90a_ok False (an nvcc
+    older than CUDA 12.0, which has no sm_90a): plain sm_90, without the Hopper kernel."""
+    arch_entry = re.compile(r"(\d+)\.(\d+)(a?)(\+PTX)?")
+    flags: list[str] = []
+    sm90a = False
+    for entry in filter(None, (e.strip() for e in arch_list.replace(",", ";").replace(" ", ";").split(";"))):
+        m = arch_entry.fullmatch(entry)
+        if m is None:
+            sys.exit(f"mpfused: TORCH_CUDA_ARCH_LIST entry {entry!r} is not an arch such as 8.0, 9.0a or 9.0+PTX "
+                     f"(the list: {arch_list!r})")
+        num = m[1] + m[2]
+        target = num + ("a" if num == "90" and sm90a_ok else m[3])
+        sm90a = sm90a or target == "90a"
+        flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
+        if m[4]:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    if not flags:
+        sys.exit(f"mpfused: TORCH_CUDA_ARCH_LIST names no arch: {arch_list!r}")
+    return flags, sm90a
+
+
 BUILD_CONFIG = {}
 
 
@@ -180,10 +205,14 @@ def make_extension(version: str):
         )
 
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
-    os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list  # torch turns it into -gencode flags
+    release = nvcc_version(cpp_extension.CUDA_HOME)
+    gencode, sm90a = gencode_flags(arch_list, sm90a_ok=int(release.split(".")[0]) >= 12)
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
     cuda_define = ["-DMPFUSED_WITH_CUDA", f'-DMPFUSED_CUDA_ARCH_LIST="{arch_list}"']
-    nvcc = ["-O3", "-lineinfo", "-Xcompiler=-ffp-contract=off", *define, *cuda_define]
+    # Our own -gencode flags: torch adds none when the nvcc flags name an arch.
+    nvcc = ["-O3", "-lineinfo", "-Xcompiler=-ffp-contract=off", *define, *cuda_define, *gencode]
+    if sm90a:
+        nvcc.append("-DMPFUSED_HAVE_SM90A=1")
     record_build_config(version, True, arch_list)
     print(f"mpfused: building the CUDA extension for {arch_list} with {cpp_extension.CUDA_HOME}")
     return cpp_extension.CUDAExtension(

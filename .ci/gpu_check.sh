@@ -223,10 +223,15 @@ stage_tests() {
     rc=${PIPESTATUS[0]}
     counts=$(pytest_counts "$log")
   else
-    # the GPU cases of every file, then the demo, which trains on the GPU whenever there is one
-    "$PY" -m pytest "${opts[@]}" -m cuda tests 2>&1 | tee "$log"
+    # the GPU cases of every file, then the Hopper GEMM kernel's in a process of their own (not yet proven on a
+    # GPU: a trap there loses that process's CUDA context, not the other cases'), then the demo, which trains on
+    # the GPU whenever there is one
+    "$PY" -m pytest "${opts[@]}" -m "cuda and not wgmma" tests 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     counts="cuda cases: $(pytest_counts "$log")"
+    "$PY" -m pytest "${opts[@]}" -m wgmma tests/test_gemm.py 2>&1 | tee "$log.wgmma"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    counts="$counts; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")"
     "$PY" -m pytest -q -p no:cacheprovider tests/test_demo.py 2>&1 | tee "$log.demo"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     counts="$counts; demo: $(pytest_counts "$log.demo")"

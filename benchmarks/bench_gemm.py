@@ -43,12 +43,15 @@ A target for the other device is shown as INFO, one whose size was not measured 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 import mpfused
+from mpfused import _ops
 from mpfused.nn import FusedLinear
 
 from .goals import goal
@@ -80,6 +83,12 @@ OURS = "mpfused.gemm"
 OURS_FUSED = "mpfused.gemm bias+gelu"
 OURS_LINEAR = "FusedLinear(gelu) forward"
 TORCH_LOWP = "torch.matmul (same dtype)"
+# The Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma, compute capability 9.0 and a build naming 9.0): timed in a round of
+# its own with the environment variable set throughout, beside its own cuBLAS anchor.
+OURS_WGMMA = "mpfused.gemm, Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma)"
+OURS_FUSED_WGMMA = "mpfused.gemm bias+gelu, Hopper kernel"
+TORCH_LOWP_WGMMA = "torch.matmul (same dtype), timed beside the Hopper kernel"
+TORCH_PAIR_WGMMA = "F.linear + F.gelu (same dtype), timed beside the Hopper kernel"
 TORCH_FP32 = "torch.matmul FP32"
 TORCH_PAIR = "F.linear + F.gelu (same dtype)"
 TORCH_PAIR_FP32 = "F.linear + F.gelu FP32"
@@ -149,9 +158,39 @@ def linear_gelu_methods(shape: tuple, dtype: torch.dtype, device: torch.device, 
     return methods
 
 
+@contextlib.contextmanager
+def gemm_kernel(name: Optional[str]):
+    """MPFUSED_GEMM_KERNEL set to name (None: unset) for the block."""
+    before = os.environ.get("MPFUSED_GEMM_KERNEL")
+    if name is None:
+        os.environ.pop("MPFUSED_GEMM_KERNEL", None)
+    else:
+        os.environ["MPFUSED_GEMM_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MPFUSED_GEMM_KERNEL", None)
+        else:
+            os.environ["MPFUSED_GEMM_KERNEL"] = before
+
+
+def hopper_kernel_available(device: torch.device) -> bool:
+    """Whether aligned operands take the Hopper kernel on this device under MPFUSED_GEMM_KERNEL=wgmma."""
+    if device.type != "cuda":
+        return False
+    with gemm_kernel("wgmma"):
+        return _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wgmma"
+
+
 def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(SEED)
     on_cuda = device.type == "cuda"
+    hopper = hopper_kernel_available(device)
+    if on_cuda:
+        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): " + (
+            "measured too, in rounds of its own" if hopper else "not available here (needs compute capability 9.0 "
+            "and a build whose TORCH_CUDA_ARCH_LIST names 9.0)"))
     squares = SQUARE[device.type][:2] if args.quick else SQUARE[device.type]
     records: list[dict[str, Any]] = []
     problems = [("square", (s, s, s)) for s in squares]
@@ -163,7 +202,13 @@ def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
             print_text(f"[{section}] {m}x{n}x{k} {dtype_name} ...")
             # torch's FP16 GEMM on the CPU: ~3.5 s a call at 1024^3 here, ~100 s at 2048^3: timed once.
             single = (TORCH_LOWP,) if not on_cuda and dtype == torch.float16 and m * n * k >= 1024**3 else ()
-            records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device, single)
+            with gemm_kernel(None):
+                records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device, single)
+            if hopper:
+                with gemm_kernel("wgmma"):
+                    records += measure(section, (m, n, k), dtype_name,
+                                       [(OURS_WGMMA, lambda: mpfused.gemm(a, b), False),
+                                        (TORCH_LOWP_WGMMA, lambda: torch.matmul(a, b), True)], args, device)
             del a, b
             if on_cuda:
                 torch.cuda.empty_cache()
@@ -171,8 +216,14 @@ def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
     for shape in shapes:
         for dtype_name, dtype in DTYPES.items():
             print_text(f"[linear+gelu] {shape[0]} tokens x {shape[2]} in -> {shape[1]} out {dtype_name} ...")
-            records += measure("linear+gelu", shape, dtype_name, linear_gelu_methods(shape, dtype, device, gen),
-                               args, device)
+            methods = linear_gelu_methods(shape, dtype, device, gen)
+            with gemm_kernel(None):
+                records += measure("linear+gelu", shape, dtype_name, methods, args, device)
+            if hopper:
+                fused, pair = methods[0][1], methods[2][1]
+                with gemm_kernel("wgmma"):
+                    records += measure("linear+gelu", shape, dtype_name,
+                                       [(OURS_FUSED_WGMMA, fused, False), (TORCH_PAIR_WGMMA, pair, True)], args, device)
             if on_cuda:
                 torch.cuda.empty_cache()
     return records
@@ -225,9 +276,15 @@ def evaluate_targets(records: list[dict[str, Any]], device: torch.device) -> lis
     for dtype_name in DTYPES:
         square("(b)", dtype_name, TORCH_FP32)
     square("(c)", "FP16", TORCH_LOWP)
+    if any(r["method"] == OURS_WGMMA for r in records):
+        size = goal(NAME, "(c)").at
+        add("(c)", f"{size}^3 FP16, Hopper kernel", "square", (size,) * 3, "FP16", OURS_WGMMA, TORCH_LOWP_WGMMA)
     for m, n, k in LINEAR_GELU["cuda"]:
         for dtype_name in DTYPES:
             add("(d)", f"{m}x{n}, K={k} {dtype_name}", "linear+gelu", (m, n, k), dtype_name, OURS_FUSED, TORCH_PAIR)
+            if any(r["method"] == OURS_FUSED_WGMMA for r in records):
+                add("(d)", f"{m}x{n}, K={k} {dtype_name}, Hopper kernel", "linear+gelu", (m, n, k), dtype_name,
+                    OURS_FUSED_WGMMA, TORCH_PAIR_WGMMA)
     return targets
 
 

@@ -82,6 +82,13 @@ def _gemm(device: torch.device) -> None:
     mpfused.gemm(a, b)
 
 
+def _gemm_wgmma(device: torch.device) -> None:
+    import os
+
+    os.environ["MPFUSED_GEMM_KERNEL"] = "wgmma"  # the Hopper kernel (this workload's process only)
+    _gemm(device)
+
+
 def _convert(device: torch.device) -> None:
     import mpfused.fixed_point as fp
 
@@ -97,6 +104,7 @@ WORKLOADS: dict[str, Workload] = {
     "check-fp16": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float16)),
     "check-fp32": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float32)),
     "gemm-fp16-4096": Workload("gemm_kernel", "WMMA GEMM >= 50% of cuBLAS", _gemm),
+    "gemm-fp16-4096-wgmma": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS", _gemm_wgmma),
     "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
 }
 

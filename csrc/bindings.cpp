@@ -79,6 +79,21 @@ int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::
 
 // Empty when mpfused's GEMM runs `dtype` ("float16" or "bfloat16") inputs on CUDA device `index`, else
 // the reason (FusedLinear then falls back to torch's matmul, with a warning).
+// The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
+// MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel) or "wmma".
+std::string gemm_cuda_kernel(int64_t index) {
+#ifdef MPFUSED_WITH_CUDA
+  const int64_t count = c10::cuda::device_count();
+  if (index < 0 || index >= count)
+    fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  return mpf::gemm_sm90_selected(true, static_cast<int>(index)) ? "wgmma" : "wmma";
+#else
+  (void)index;
+  fail("this mpfused build has no CUDA kernels (built CPU-only)");
+#endif
+}
+
 std::string gemm_unsupported(const std::string& dtype, int64_t index) {
   if (dtype != "float16" && dtype != "bfloat16") fail("dtype must be 'float16' or 'bfloat16', got '" + dtype + "'");
 #ifdef MPFUSED_WITH_CUDA
@@ -341,6 +356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overflow_limits", &overflow_limits, "Chunk size and per-launch capacities of the overflow reduction.");
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");
+  m.def("gemm_cuda_kernel", &gemm_cuda_kernel, pybind11::arg("index"),
+        "The CUDA GEMM kernel aligned operands take on this device: 'wgmma' or 'wmma' (MPFUSED_GEMM_KERNEL).");
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),

@@ -220,6 +220,15 @@ void gemm_cuda(const GemmArgs& args, void* stream);
 // Empty when gemm_cuda runs inputs of `input_dtype` on CUDA device `device`, else why not (BF16 below
 // sm_80, or a build without an sm_80+ image of the BF16 kernel). `device` must be the current device.
 std::string gemm_unsupported(DType input_dtype, int device);
+// The CUDA GEMM's kernel for 16-byte-aligned operands on a compute capability 9.0 GPU: MPFUSED_GEMM_KERNEL=wgmma
+// takes the Hopper kernel (sm_90a warpgroup MMAs, gemm.cu; not yet run on a GPU, so not the default), unset
+// or "wmma" the WMMA kernel that every GPU runs; any other value throws std::invalid_argument.
+enum class GemmKernelChoice { kWmma, kWgmma };
+GemmKernelChoice gemm_kernel_choice();
+bool gemm_sm90_built();  // this build holds sm_90a code (its TORCH_CUDA_ARCH_LIST named 9.0)
+// Whether gemm_cuda takes the Hopper kernel on `device` for operands that are (vector_path) or are not
+// 16-byte aligned.
+bool gemm_sm90_selected(bool vector_path, int device);
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);

@@ -108,3 +108,23 @@ def test_setup_reads_the_nvcc_release(tmp_path):
         read(str(tmp_path))
     with pytest.raises(SystemExit, match="could not run"):
         read(str(tmp_path / "missing"))
+
+
+def test_setup_builds_compute_capability_9_for_sm90a():
+    """setup.py makes its own -gencode flags: machine code per arch, compute capability 9.0 as sm_90a (the Hopper
+    GEMM's warpgroup MMAs), PTX for "+PTX" entries as the generic compute_XY (which newer GPUs compile); a bad
+    entry stops the build naming it."""
+    flags = _setup_functions("gencode_flags")["gencode_flags"]
+    assert flags("7.5;8.0;9.0+PTX") == (["-gencode=arch=compute_75,code=sm_75", "-gencode=arch=compute_80,code=sm_80",
+                                         "-gencode=arch=compute_90a,code=sm_90a",
+                                         "-gencode=arch=compute_90,code=compute_90"], True)
+    assert flags("8.6 8.9+PTX") == (["-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_89,code=sm_89",
+                                     "-gencode=arch=compute_89,code=compute_89"], False)
+    assert flags("9.0a") == (["-gencode=arch=compute_90a,code=sm_90a"], True)
+    assert flags("10.0+PTX") == (["-gencode=arch=compute_100,code=sm_100",
+                                  "-gencode=arch=compute_100,code=compute_100"], False)
+    assert flags("9.0+PTX", sm90a_ok=False) == (["-gencode=arch=compute_90,code=sm_90",
+                                                 "-gencode=arch=compute_90,code=compute_90"], False)
+    for bad in ("Ampere", "9", "8.0;sm_90", ""):
+        with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
+            flags(bad)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import mpfused
 from mpfused import _ops
-from conftest import requires_cuda
+from conftest import cuda_skip_reason, requires_cuda
 from tolerances import GELU_TOL, GEMM_ACCUM_U, GEMM_ERROR_FACTOR, GEMM_OUT_HALF_ULP, GEMM_OUT_SUBNORMAL_HALF, LINEAR_REL_TOL
 
 LOW = [torch.float16, torch.bfloat16]
@@ -19,6 +19,37 @@ SIZES = [1, 7, 15, 16, 17, 31, 33, 100, 257]
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 # Batch modes: (batch of a, batch of b); None = a 2-D operand.
 BATCH_MODES = [(None, None), (2, 2), (3, None), (None, 2)]
+
+
+def _hopper_skip_reason():
+    """Why the Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma) cannot run here, or None."""
+    if cuda_skip_reason() is not None:
+        return cuda_skip_reason()
+    index = torch.cuda.current_device()
+    if _ops._C.gemm_cuda_kernel(index) == "wgmma":
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    return (f"the Hopper GEMM kernel needs a compute capability 9.0 GPU (this one is {major}.{minor}) and a build whose "
+            f"TORCH_CUDA_ARCH_LIST names 9.0 (this one: {mpfused.build_info().get('cuda_arch_list')})")
+
+
+@pytest.fixture(params=["cpu",
+                        pytest.param("cuda", marks=pytest.mark.cuda),
+                        pytest.param("cuda-wgmma", marks=[pytest.mark.cuda, pytest.mark.wgmma])])
+def device(request, monkeypatch):
+    """Every GEMM test on the CPU, on CUDA with the WMMA kernel, and on CUDA with the Hopper kernel (16-byte aligned
+    operands on a compute capability 9.0 GPU; other operands take the WMMA kernel there too)."""
+    if request.param == "cpu":
+        return "cpu"
+    if cuda_skip_reason() is not None:
+        pytest.skip(cuda_skip_reason())
+    if request.param == "cuda-wgmma":
+        monkeypatch.setenv("MPFUSED_GEMM_KERNEL", "wgmma")
+        if _hopper_skip_reason() is not None:
+            pytest.skip(_hopper_skip_reason())
+    else:
+        monkeypatch.delenv("MPFUSED_GEMM_KERNEL", raising=False)
+    return "cuda"
 
 
 def ints(shape, dtype, device, gen, lo=-3, hi=3):
@@ -457,3 +488,27 @@ def test_mixed_devices_are_rejected_on_cuda():
         mpfused.gemm(a, torch.ones(5, 6, dtype=torch.float16))
     with pytest.raises(ValueError, match="bias must be on cuda"):
         mpfused.gemm(a, a.t(), bias=torch.ones(4))
+
+
+def test_gemm_kernel_query_without_a_gpu():
+    """_C.gemm_cuda_kernel names the kernel aligned operands take; without CUDA kernels or without a device it is a
+    clear error, not a crash."""
+    if not mpfused.has_cuda_kernels():
+        with pytest.raises(ValueError, match="no CUDA kernels"):
+            _ops._C.gemm_cuda_kernel(0)
+        return
+    with pytest.raises(ValueError, match="index must name a visible CUDA device"):
+        _ops._C.gemm_cuda_kernel(torch.cuda.device_count())
+
+
+@requires_cuda
+def test_unknown_gemm_kernel_setting_is_an_error(monkeypatch):
+    """An MPFUSED_GEMM_KERNEL that is neither 'wmma' nor 'wgmma' fails the call with a message naming it, and the
+    output stays as it was."""
+    a = torch.ones(8, 8, dtype=torch.float16, device="cuda")
+    monkeypatch.setenv("MPFUSED_GEMM_KERNEL", "fastest")
+    with pytest.raises((RuntimeError, ValueError), match="MPFUSED_GEMM_KERNEL"):
+        mpfused.gemm(a, a)
+    monkeypatch.setenv("MPFUSED_GEMM_KERNEL", "wmma")
+    assert _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wmma"
+    assert torch.equal(mpfused.gemm(a, a).float(), torch.full((8, 8), 8.0, device="cuda"))

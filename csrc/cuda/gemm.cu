@@ -24,10 +24,13 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
 #include "common.cuh"
+#include "wgmma.cuh"
 #include "../kernels.h"
 
 namespace mpf {
@@ -81,11 +84,9 @@ static_assert(smem_bytes<false, false>() <= 64 * 1024 && smem_bytes<true, true>(
               "the stages must fit sm_75's 64 KB of shared memory per block");
 
 // ---- global -> shared copies ----------------------------------------------------------------------
-#if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-#endif
 
 // 16 bytes, of which the first `bytes` come from src and the rest are zero.
 __device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, int bytes) {
@@ -212,6 +213,25 @@ __device__ __forceinline__ void store_row8(void* base, DType d, int64_t offset, 
     if (e < count) store_any(base, offset + e, d, v[e]);
 }
 
+// The epilogue of the outputs (row, col8 .. col8 + 7) of one batch, those below n, from their FP32
+// accumulators acc8: core/gemm.h's alpha, beta * C, bias and activation, written to out (and
+// pre_activation) at `offset` by store_row8.
+__device__ __forceinline__ void epilogue_row8(const GemmArgs& g, const EpilogueScalars& es, int64_t batch, int64_t row,
+                                              int64_t col8, int64_t offset, const float* acc8, bool out_vector) {
+  const int count = g.n - col8 >= 8 ? 8 : static_cast<int>(g.n - col8);
+  float pre[8], out[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const bool in = e < count;
+    const float cv = es.has_c && in ? load_any(g.c.data, matrix_offset(g.c, batch, row, col8 + e), g.c.dtype) : 0.0f;
+    const float bv = es.has_bias && in ? load_any(g.bias, col8 + e, g.bias_dtype) : 0.0f;
+    pre[e] = epilogue_pre(acc8[e], cv, bv, es);
+    out[e] = activate(pre[e], es.act);
+  }
+  store_row8(g.out, g.out_dtype, offset, out, count, out_vector);
+  if (g.pre_activation) store_row8(g.pre_activation, g.out_dtype, offset, pre, count, out_vector);
+}
+
 template <typename T, bool kACol, bool kBCol, bool kVector>
 __device__ __forceinline__ void gemm_body(const KernelParams& kp) {
   using ATileT = ATile<kACol>;
@@ -316,18 +336,7 @@ __device__ __forceinline__ void gemm_body(const KernelParams& kp) {
         for (int h = 0; h < 2; ++h) {  // 8 outputs at a time: 16 bytes of FP16/BF16
           const int64_t col8 = col + 8 * h;
           if (col8 >= g.n) break;
-          const int count = g.n - col8 >= 8 ? 8 : static_cast<int>(g.n - col8);
-          float pre[8], out[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const bool in = e < count;
-            const float cv = es.has_c && in ? load_any(g.c.data, matrix_offset(g.c, batch, row, col8 + e), g.c.dtype) : 0.0f;
-            const float bv = es.has_bias && in ? load_any(g.bias, col8 + e, g.bias_dtype) : 0.0f;
-            pre[e] = epilogue_pre(stage_out[r * kEpiLd + c0 + 8 * h + e], cv, bv, es);
-            out[e] = activate(pre[e], es.act);
-          }
-          store_row8(g.out, g.out_dtype, offset + 8 * h, out, count, kp.out_vector);
-          if (g.pre_activation) store_row8(g.pre_activation, g.out_dtype, offset + 8 * h, pre, count, kp.out_vector);
+          epilogue_row8(g, es, batch, row, col8, offset + 8 * h, stage_out + r * kEpiLd + c0 + 8 * h, kp.out_vector);
         }
       }
       __syncwarp();  // the slice is rewritten by the next fragment row
@@ -360,6 +369,205 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.blocks), static_cast<unsigned>(plan.grid_y));
   kernel<<<grid, kThreads, bytes, stream>>>(kp);
   cuda_check(cudaGetLastError(), "gemm kernel launch");
+}
+
+// ---- Hopper: warpgroup MMAs (sm_90a) ---------------------------------------------------------------------
+// A block of two warpgroups computes a 128 x 256 tile of the output, each warpgroup 64 x 256 with one
+// wgmma.mma_async m64n256k16 per 16 of K (wgmma.cuh): 128 FP32 accumulators per thread. K is walked 64 at a
+// time through kSm90Stages stages of shared memory, filled by every thread with cp.async (the vector path
+// only: 16-byte aligned operands) in the 128-byte swizzle the descriptors name, with the MN edge and the K
+// tail zero-filled. The loads run two stages ahead and one group of MMAs stays in flight:
+//   iteration kt: wait for this thread's copies of stage kt; fence them for the async proxy; barrier
+//   (every thread's stage kt is in shared memory, and every warpgroup's MMAs of stage kt - 2 are done:
+//   each waited for them at the end of kt - 1); copy stage kt + 2 into the slot of kt - 2; issue stage
+//   kt's four MMAs, commit them and wait for those of kt - 1.
+// The epilogue stages the accumulators through the pipeline's shared memory (after every MMA is done), then
+// each thread applies core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA
+// kernel does, and stores them with 128-bit stores where it can.
+// Compiled for sm_90a only (the arch-specific wgmma instructions): every other target's image of the kernel
+// is a trap that the launcher never reaches (gemm_sm90_available).
+constexpr int kSm90BlockM = 128, kSm90BlockN = 256, kSm90BlockK = 64;
+constexpr int kSm90Stages = 4;
+constexpr int kSm90Threads = 256;                                       // two warpgroups
+constexpr int kSm90PanelBytes = kSm90BlockK * sm90::kLineBytes;         // an MN-major tile's 64-wide panel: 8 KB
+constexpr int kSm90ATileBytes = kSm90BlockM * kSm90BlockK * 2;          // 16 KB
+constexpr int kSm90BTileBytes = kSm90BlockN * kSm90BlockK * 2;          // 32 KB
+constexpr int kSm90StageBytes = kSm90ATileBytes + kSm90BTileBytes;
+constexpr int kSm90EpiLd = kSm90BlockN + 8;                             // floats per staged output row
+constexpr size_t kSm90SmemBytes = size_t{kSm90Stages} * kSm90StageBytes + sm90::kAtomBytes;  // + alignment slack
+static_assert(size_t{kSm90BlockM} * kSm90EpiLd * sizeof(float) <= size_t{kSm90Stages} * kSm90StageBytes,
+              "the staged outputs fit in the pipeline's shared memory");
+static_assert(kSm90SmemBytes <= 227 * 1024, "sm_90's 227 KB of shared memory per block");
+static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per row of a K-major tile");
+
+// Copies one operand's tile for one K step into shared memory at dst (1024-byte aligned). kRows is the tile's
+// extent along M or N. K-major (kKMajor): element (r, k) of the tile is at src[r * ld + k]; MN-major: at
+// src[k * ld + r]. rows_left and k_left: the elements that exist from the tile's origin on (the rest reads
+// as zero). `valid` is any address of the operand: a copy of zero bytes still names a source.
+template <int kRows, bool kKMajor>
+__device__ __forceinline__ void sm90_load_tile(unsigned char* dst, const uint16_t* src, int64_t ld, int64_t rows_left,
+                                               int64_t k_left, const void* valid) {
+  constexpr int kChunks = kRows * kSm90BlockK / 8;  // 16-byte copies
+  static_assert(kChunks % kSm90Threads == 0, "the copies divide among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / kSm90Threads; ++i) {
+    const int q = static_cast<int>(threadIdx.x) + i * kSm90Threads;
+    int64_t from, in_fixed, in_contig;  // the chunk's first element; whether its line exists; elements along it
+    uint32_t to;
+    if constexpr (kKMajor) {
+      const int r = q / 8, c = q % 8;
+      from = int64_t{r} * ld + c * 8;
+      in_fixed = rows_left - r;
+      in_contig = k_left - c * 8;
+      to = sm90::swizzle128(static_cast<uint32_t>(r * sm90::kLineBytes + c * 16));
+    } else {
+      constexpr int kPerLine = kRows / 8;  // chunks per K line
+      const int kl = q / kPerLine, pc = q % kPerLine, panel = pc / 8, c = pc % 8;
+      const int col = panel * 64 + c * 8;
+      from = int64_t{kl} * ld + col;
+      in_fixed = k_left - kl;
+      in_contig = rows_left - col;
+      to = static_cast<uint32_t>(panel * kSm90PanelBytes) +
+           sm90::swizzle128(static_cast<uint32_t>(kl * sm90::kLineBytes + c * 16));
+    }
+    const int bytes = in_fixed <= 0 || in_contig <= 0 ? 0 : in_contig >= 8 ? 16 : static_cast<int>(in_contig) * 2;
+    copy16(reinterpret_cast<uint16_t*>(dst + to), bytes > 0 ? src + from : static_cast<const uint16_t*>(valid), bytes);
+  }
+}
+
+template <typename T, bool kACol, bool kBCol>
+__device__ __forceinline__ void gemm_body_sm90(const KernelParams& kp) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The swizzle is taken from address bits: the tiles start on a 1024-byte boundary of the shared window.
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t pad = (sm90::kAtomBytes - raw_addr % sm90::kAtomBytes) % sm90::kAtomBytes;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t smem0 = raw_addr + pad;
+  const GemmArgs& g = kp.g;
+  const EpilogueScalars es = epilogue_scalars(g);
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr int kTransA = kACol ? 1 : 0;  // A column-major is M-major
+  constexpr int kTransB = kBCol ? 0 : 1;  // B row-major is N-major
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  int64_t tile_m, tile_n;
+  gemm_tile_of_block(blockIdx.x, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
+  const int64_t m0 = tile_m * kSm90BlockM, n0 = tile_n * kSm90BlockN;
+  const int64_t k_tiles = (g.k + kSm90BlockK - 1) / kSm90BlockK;
+
+  for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
+    const uint16_t* a = static_cast<const uint16_t*>(g.a.data) + batch * g.a.batch_stride;
+    const uint16_t* b = static_cast<const uint16_t*>(g.b.data) + batch * g.b.batch_stride;
+    // The tiles' origins at K = 0. A is (m, k): row-major is K-major; B is (k, n): column-major is K-major.
+    const uint16_t* a0 = kACol ? a + m0 : a + m0 * g.a.ld;
+    const uint16_t* b0 = kBCol ? b + n0 * g.b.ld : b + n0;
+    auto load_stage = [&](int64_t kt) {
+      unsigned char* sa = smem + static_cast<int>(kt % kSm90Stages) * kSm90StageBytes;
+      const int64_t k0 = kt * kSm90BlockK;
+      sm90_load_tile<kSm90BlockM, !kACol>(sa, a0 + (kACol ? k0 * g.a.ld : k0), g.a.ld, g.m - m0, g.k - k0, g.a.data);
+      sm90_load_tile<kSm90BlockN, kBCol>(sa + kSm90ATileBytes, b0 + (kBCol ? k0 : k0 * g.b.ld), g.b.ld, g.n - n0,
+                                         g.k - k0, g.b.data);
+    };
+
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      if (s < k_tiles) load_stage(s);
+      cp_async_commit();  // an empty group keeps the count of groups in step with the stages
+    }
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<1>();         // this thread's copies of stage kt have landed ...
+      sm90::fence_proxy_async();  // ... are visible to the MMAs' async proxy ...
+      __syncthreads();            // ... for every thread; and every warpgroup is done with stage kt - 2
+      if (kt + 2 < k_tiles) load_stage(kt + 2);
+      cp_async_commit();
+
+      const uint32_t sa = smem0 + static_cast<uint32_t>(kt % kSm90Stages) * kSm90StageBytes;
+      const uint32_t sb = sa + kSm90ATileBytes;
+#pragma unroll
+      for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kSm90BlockK / 16; ++kk) {
+        // A: this warpgroup's 64 rows; K-major: 32 bytes further per 16 K inside the line, MN-major: 16 K lines.
+        const uint64_t da = kACol ? sm90::smem_desc128(sa + wg * kSm90PanelBytes + kk * 16 * sm90::kLineBytes,
+                                                       kSm90PanelBytes, sm90::kAtomBytes)
+                                  : sm90::smem_desc128(sa + wg * 64 * sm90::kLineBytes + kk * 32, 16, sm90::kAtomBytes);
+        const uint64_t db = kBCol ? sm90::smem_desc128(sb + kk * 32, 16, sm90::kAtomBytes)
+                                  : sm90::smem_desc128(sb + kk * 16 * sm90::kLineBytes, kSm90PanelBytes,
+                                                       sm90::kAtomBytes);
+        sm90::wgmma_m64n256k16<kBf16, kTransA, kTransB>(acc, da, db);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
+    }
+    sm90::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
+    cp_async_wait<0>();
+    __syncthreads();  // every MMA is done: the pipeline's shared memory becomes the epilogue's
+
+    // ---- epilogue: the accumulators through shared memory, then 8 outputs of a row per step ----
+    float* staged = reinterpret_cast<float*>(smem);
+    {
+      const int t = static_cast<int>(threadIdx.x) % 128, w = t / 32, l = t % 32;
+      const int row = wg * 64 + w * 16 + l / 4;
+#pragma unroll
+      for (int i = 0; i < 128; i += 2) {
+        const int r = row + 8 * ((i / 2) % 2), c = 8 * (i / 4) + 2 * (l % 4);
+        *reinterpret_cast<float2*>(staged + r * kSm90EpiLd + c) = make_float2(acc[i], acc[i + 1]);
+      }
+    }
+    __syncthreads();
+    const int64_t out_base = batch * g.m * g.n;
+    constexpr int kSegments = kSm90BlockM * kSm90BlockN / 8;
+#pragma unroll 1
+    for (int s = static_cast<int>(threadIdx.x); s < kSegments; s += kSm90Threads) {
+      const int r = s / (kSm90BlockN / 8), c = s % (kSm90BlockN / 8) * 8;
+      const int64_t row = m0 + r, col8 = n0 + c;
+      if (row >= g.m || col8 >= g.n) continue;
+      epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, staged + r * kSm90EpiLd + c, kp.out_vector);
+    }
+    __syncthreads();  // the next batch's stages overwrite the staged outputs
+  }
+}
+
+template <typename T, bool kACol, bool kBCol>
+__global__ void __launch_bounds__(kSm90Threads, 1) gemm_sm90_kernel(const __grid_constant__ KernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  gemm_body_sm90<T, kACol, kBCol>(kp);
+#else
+  (void)kp;
+  __trap();  // unreachable: the launcher takes this kernel only where the sm_90a image runs
+#endif
+}
+
+template <typename T, bool kACol, bool kBCol>
+void launch_sm90(const KernelParams& kp, int64_t blocks, int64_t grid_y, cudaStream_t stream) {
+  auto kernel = gemm_sm90_kernel<T, kACol, kBCol>;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
+             "gemm: setting the shared-memory size");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(grid_y));
+  kernel<<<grid, kSm90Threads, kSm90SmemBytes, stream>>>(kp);
+  cuda_check(cudaGetLastError(), "gemm kernel launch");
+}
+
+template <typename T>
+void dispatch_layout_sm90(KernelParams kp, const GemmPlan& plan, cudaStream_t stream) {
+  kp.tiles_m = (kp.g.m + kSm90BlockM - 1) / kSm90BlockM;
+  kp.tiles_n = (kp.g.n + kSm90BlockN - 1) / kSm90BlockN;
+  const int64_t blocks = kp.tiles_m * kp.tiles_n;
+  if (blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
+  const bool ac = kp.g.a.col_major, bc = kp.g.b.col_major;
+  if (!ac && !bc) return launch_sm90<T, false, false>(kp, blocks, plan.grid_y, stream);
+  if (!ac && bc) return launch_sm90<T, false, true>(kp, blocks, plan.grid_y, stream);
+  if (ac && !bc) return launch_sm90<T, true, false>(kp, blocks, plan.grid_y, stream);
+  return launch_sm90<T, true, true>(kp, blocks, plan.grid_y, stream);
 }
 
 template <typename T>
@@ -399,6 +607,31 @@ std::string gemm_unsupported(DType input_dtype, int device) {
   return {};
 }
 
+GemmKernelChoice gemm_kernel_choice() {
+  const char* v = std::getenv("MPFUSED_GEMM_KERNEL");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "wmma") return GemmKernelChoice::kWmma;
+  if (s == "wgmma") return GemmKernelChoice::kWgmma;
+  throw std::invalid_argument("MPFUSED_GEMM_KERNEL must be 'wmma' (the default) or 'wgmma' (the Hopper kernel, not yet "
+                              "run on a GPU), got '" + s + "'");
+}
+
+bool gemm_sm90_built() {
+#if defined(MPFUSED_HAVE_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool gemm_sm90_selected(bool vector_path, int device) {
+  if (!vector_path || !gemm_sm90_built() || gemm_kernel_choice() != GemmKernelChoice::kWgmma) return false;
+  int major = 0, minor = 0;
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
+  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
+  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
+}
+
 void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   if (args.batch <= 0 || args.m <= 0 || args.n <= 0) return;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
@@ -412,10 +645,14 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   const bool out_vector = args.n % out_elems == 0 && reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
                           (!args.pre_activation || reinterpret_cast<uintptr_t>(args.pre_activation) % 16 == 0);
   const KernelParams kp{args, plan.tiles_m, plan.tiles_n, out_vector};
-  if (args.a.dtype == DType::kFloat16)
-    dispatch_layout<__half>(kp, plan, stream);
-  else
-    dispatch_layout<__nv_bfloat16>(kp, plan, stream);
+  const bool bf16 = args.a.dtype == DType::kBFloat16;
+  if (gemm_sm90_selected(plan.vector_path, device)) {
+    if (bf16) dispatch_layout_sm90<__nv_bfloat16>(kp, plan, stream);
+    else dispatch_layout_sm90<__half>(kp, plan, stream);
+    return;
+  }
+  if (bf16) dispatch_layout<__nv_bfloat16>(kp, plan, stream);
+  else dispatch_layout<__half>(kp, plan, stream);
 }
 
 }  // namespace mpf

@@ -11,7 +11,8 @@ SOURCE's lines (a #line directive names it):
     ``::mpf_sim::launch(kernel, grid, block[, smem[, stream]])(args)``;
   - ``__shared__ T name[dims];`` becomes a reference to the block's shared slot of that declaration, and
     ``extern __shared__ __align__(A) T name[];`` a pointer to the block's dynamic shared memory;
-  - the cp.async inline assembly becomes calls of the simulator's cp.async;
+  - the cp.async inline assembly becomes calls of the simulator's cp.async, and wgmma.cuh's (the warpgroup MMA,
+    its fences, commits and waits) calls of the simulator's wgmma;
   - a ``const __grid_constant__ T name`` parameter becomes ``const T& name``: read in place, as on the GPU,
     instead of a copy per thread (up to 32 KB each).
 Any other ``asm`` or ``__shared__`` left over is an error: the simulator would not know what it does.
@@ -96,9 +97,38 @@ ASM = re.compile(r'asm\s+volatile\s*\(\s*"(?P<insn>[^"]*)"(?P<operands>[^;]*)\)\
 OPERAND = re.compile(r'"[a-z]+"\((?P<expr>[^()]*(?:\([^()]*\))?[^()]*)\)')
 
 
+# wgmma.cuh's warpgroup MMA: one asm statement whose string literals hold several PTX statements (';' inside),
+# its accumulators as "+f"(d[i]) operands (or wgmma.cuh's macro of them), then the two descriptors and the
+# transposes.
+WGMMA = re.compile(r'asm\s+volatile\s*\((?P<body>(?:(?!\)\);|\basm\b).)*?"wgmma\.mma_async(?:(?!\)\);).)*\))\);', re.S)
+
+
+def _wgmma_call(m: re.Match) -> str:
+    body = m["body"]
+    shape = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(f16|bf16)\.(f16|bf16)", body)
+    acc = re.search(r'"\+f"\((\w+)\[0\]\)', body) or re.search(r"MPF_WGMMA_N\d+_ACC_OPERANDS\((\w+)\)", body)
+    descs = re.findall(r'"l"\(([^()]*)\)', body)
+    trans = re.findall(r'"n"\(([^()]*)\)', body)
+    if not shape or not acc or len(descs) != 2 or len(trans) != 2 or shape[2] != shape[3]:
+        raise ValueError("a wgmma.mma_async statement the rewriter does not understand")
+    call = (f"::mpf_sim::wgmma_m64nNk16({acc[1]}, {shape[1]}, {descs[0]}, {descs[1]}, {trans[0]}, {trans[1]}, "
+            f"{'true' if shape[2] == 'bf16' else 'false'});")
+    return call + "\n" * m[0].count("\n")  # the line count stays
+
+
 def _asm_call(m: re.Match) -> str:
     insn = m["insn"].replace("\\n", "").strip().rstrip(";").strip()
     operands = [o["expr"].strip() for o in OPERAND.finditer(m["operands"])]
+    if insn == "":  # a compiler barrier on operands (wgmma.cuh's fence_operand): nothing to simulate
+        return " ".join(f"(void)({o});" for o in re.findall(r'"[+=]?[a-z]+"\(([^()]*)\)', m["operands"])) or "(void)0;"
+    if insn == "wgmma.fence.sync.aligned":
+        return "::mpf_sim::wgmma_fence();"
+    if insn == "wgmma.commit_group.sync.aligned":
+        return "::mpf_sim::wgmma_commit();"
+    if insn == "wgmma.wait_group.sync.aligned %0":
+        return f"::mpf_sim::wgmma_wait({operands[0]});"
+    if insn == "fence.proxy.async.shared::cta":
+        return "::mpf_sim::fence_proxy_async();"
     if insn.startswith("cp.async.cg.shared.global") and insn.endswith("16, %2"):
         dst, src, size = operands
         inner = re.fullmatch(r"smem_addr\((.*)\)", dst)
@@ -113,6 +143,7 @@ def _asm_call(m: re.Match) -> str:
 
 
 def rewrite_asm(text: str) -> str:
+    text = WGMMA.sub(_wgmma_call, text)
     text = ASM.sub(_asm_call, text)
     if re.search(r"\basm\b", text):
         raise ValueError("an asm statement the rewriter does not understand")

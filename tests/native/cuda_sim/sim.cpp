@@ -163,6 +163,18 @@ struct Fiber {
   uint3 tid{};
   std::vector<CpCopy> cp_pending;
   std::vector<std::vector<CpCopy>> cp_groups;
+  struct WgmmaOp {
+    float* d;
+    int n;
+    uint64_t desc_a, desc_b;
+    int trans_a, trans_b;
+    bool bf16;
+    uint64_t hash;  // of the operands' bytes when issued
+  };
+  std::vector<WgmmaOp> wg_pending;
+  std::vector<std::vector<WgmmaOp>> wg_groups;
+  bool wg_fenced = false;
+  bool proxy_dirty = false;  // cp.async copies landed with no fence.proxy.async after them
 #if MPF_SIM_TSAN
   void* tsan = nullptr;
 #endif
@@ -184,6 +196,7 @@ struct BlockState {
   unsigned char* dynamic_base = nullptr;
   size_t dynamic_bytes = 0;
   bool trapped = false;
+  unsigned proxy_dirty = 0;  // threads whose landed cp.async copies no fence.proxy.async has followed
   std::string trap_message;
 };
 
@@ -336,6 +349,10 @@ void leave(Barrier& b) {
         b.trap_message = t.what;
       }
     }
+    if (!b.trapped && (!f.wg_pending.empty() || !f.wg_groups.empty())) {
+      b.trapped = true;
+      b.trap_message = "a thread ended with wgmma.mma_async it never waited for (wgmma.wait_group)";
+    }
     // Copies still in flight land when the thread ends.
     cp_async_commit();
     cp_async_wait(0);
@@ -451,12 +468,76 @@ void cp_async_commit() {
   f.cp_pending.clear();
 }
 
+uint32_t shared_address(const void* p) {
+  const BlockState& b = *tctx->block;
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  if (c < b.dynamic_base || c >= b.static_base + b.static_limit) trap("__cvta_generic_to_shared of an address outside shared memory");
+  return kSharedWindowStart + static_cast<uint32_t>(c - b.dynamic_base);
+}
+
+const unsigned char* shared_at(uint32_t addr, size_t bytes) {
+  const BlockState& b = *tctx->block;
+  if (addr < kSharedWindowStart || addr - kSharedWindowStart + bytes > b.dynamic_bytes)
+    trap("wgmma: an operand address outside the block's dynamic shared memory");
+  return b.dynamic_base + (addr - kSharedWindowStart);
+}
+
+void wgmma_fence() { tctx->fiber->wg_fenced = true; }
+
+void fence_proxy_async() {
+  Fiber& f = *tctx->fiber;
+  if (f.proxy_dirty) {
+    f.proxy_dirty = false;
+    --tctx->block->proxy_dirty;
+  }
+}
+
+void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans_a, int trans_b, bool bf16) {
+  Fiber& f = *tctx->fiber;
+  if (tctx->block->nthreads % 128 != 0) trap("wgmma: the block is not made of whole warpgroups (128 threads)");
+  if (!f.wg_fenced) trap("wgmma.mma_async without a wgmma.fence since the thread last waited for its MMAs");
+  // Conservative: any thread's landed copies, not only those under this MMA's operands.
+  if (tctx->block->proxy_dirty != 0)
+    trap("wgmma.mma_async after cp.async copies that landed with no fence.proxy.async (the async proxy may not see them)");
+  const uint64_t hash = wgmma_operands(d, n, desc_a, desc_b, trans_a, trans_b, bf16, tctx->linear % 128);
+  f.wg_pending.push_back(Fiber::WgmmaOp{d, n, desc_a, desc_b, trans_a, trans_b, bf16, hash});
+}
+
+void wgmma_commit() {
+  Fiber& f = *tctx->fiber;
+  f.wg_groups.push_back(std::move(f.wg_pending));
+  f.wg_pending.clear();
+}
+
+void wgmma_wait(int pending) {
+  Fiber& f = *tctx->fiber;
+  if (!f.wg_pending.empty()) trap("wgmma.wait_group with wgmma.mma_async issued but not committed");
+  const size_t keep = static_cast<size_t>(pending < 0 ? 0 : pending);
+  if (f.wg_groups.size() > keep) {
+    const size_t retire = f.wg_groups.size() - keep;
+    for (size_t g = 0; g < retire; ++g)
+      for (const Fiber::WgmmaOp& op : f.wg_groups[g])
+        if (wgmma_operands(nullptr, op.n, op.desc_a, op.desc_b, op.trans_a, op.trans_b, op.bf16, tctx->linear % 128) != op.hash)
+          trap("a wgmma's shared-memory operands changed before the wgmma.wait_group that retires it");
+    f.wg_groups.erase(f.wg_groups.begin(), f.wg_groups.begin() + static_cast<std::ptrdiff_t>(retire));
+  }
+  f.wg_fenced = false;  // the accumulators are the thread's again: the next MMA needs a fence
+}
+
 void cp_async_wait(int pending) {
   Fiber& f = *tctx->fiber;
   const size_t keep = static_cast<size_t>(pending < 0 ? 0 : pending);
   if (f.cp_groups.size() <= keep) return;
   const size_t land = f.cp_groups.size() - keep;
-  for (size_t g = 0; g < land; ++g) perform(f.cp_groups[g]);
+  bool landed = false;
+  for (size_t g = 0; g < land; ++g) {
+    perform(f.cp_groups[g]);
+    landed = landed || !f.cp_groups[g].empty();
+  }
+  if (landed && !f.proxy_dirty) {  // generic-proxy writes that a wgmma may read only after a proxy fence
+    f.proxy_dirty = true;
+    ++tctx->block->proxy_dirty;
+  }
   f.cp_groups.erase(f.cp_groups.begin(), f.cp_groups.begin() + static_cast<std::ptrdiff_t>(land));
 }
 
@@ -485,6 +566,7 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
   if (!sc.tsan) sc.tsan = __tsan_get_current_fiber();
 #endif
   ++stats().launches;
+  stats().last_dynamic_smem = s.dynamic_smem;
   const uint64_t nblocks = uint64_t{s.grid.x} * s.grid.y * s.grid.z;
   std::vector<uint64_t> order(nblocks);
   std::iota(order.begin(), order.end(), uint64_t{0});
@@ -526,6 +608,10 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       f.tid = uint3{t % s.block.x, t / s.block.x % s.block.y, t / (s.block.x * s.block.y)};
       f.cp_pending.clear();
       f.cp_groups.clear();
+      f.wg_pending.clear();
+      f.wg_groups.clear();
+      f.wg_fenced = false;
+      f.proxy_dirty = false;
     }
     // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next block
     // (counted over all launches, so that one-block launches take both orders too).

@@ -181,6 +181,29 @@ Launcher<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t dynami
 
 size_t& func_max_dynamic_smem(const void* kernel);
 
+// ---- Hopper: shared-memory addresses and the warpgroup MMA (csrc/cuda/wgmma.cuh) -------------------------------------
+// A shared-memory address (__cvta_generic_to_shared) is the offset in the block's shared arena plus
+// kSharedWindowStart: the dynamic shared memory starts off a 1024-byte boundary, as it may on a GPU after static
+// variables, so that a kernel relying on alignment it did not make shows.
+constexpr uint32_t kSharedWindowStart = 0x300;
+uint32_t shared_address(const void* p);
+// The bytes at shared address addr (traps outside the block's dynamic shared memory).
+const unsigned char* shared_at(uint32_t addr, size_t bytes);
+// wgmma.mma_async m64nNk16 with FP32 accumulators d and both operands in shared memory (128-byte swizzle only):
+// done when issued, its operands' bytes remembered and checked unchanged when a wgmma.wait_group retires it; the
+// thread must have run wgmma.fence since it last waited (or since it started), and every thread of the block
+// that had cp.async copies land must have run fence.proxy.async since (the copies write through the generic
+// proxy, wgmma reads through the async one).
+void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans_a, int trans_b, bool bf16);
+void wgmma_fence();
+void wgmma_commit();
+void wgmma_wait(int pending);
+void fence_proxy_async();
+// sim_land.cpp: the instruction's reads of shared memory (instrumented, so that ThreadSanitizer sees them as the
+// issuing thread's) and its arithmetic for thread `t` of the warpgroup, products summed in FP32 in k order; with
+// d == nullptr only the hash of the operands it reads. Returns that hash.
+uint64_t wgmma_operands(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans_a, int trans_b, bool bf16, unsigned t);
+
 }  // namespace mpf_sim
 
 // ---- device functions ---------------------------------------------------------------------------------------
@@ -195,6 +218,7 @@ inline void __threadfence() { asm volatile("" ::: "memory"); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 [[noreturn]] inline void __trap() { mpf_sim::trap("__trap() in a kernel"); }
+inline size_t __cvta_generic_to_shared(const void* p) { return mpf_sim::shared_address(p); }
 
 template <class T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
@@ -215,8 +239,6 @@ template <class T>
 inline T __ldcg(const T* p) {
   return *p;
 }
-
-inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
 
 inline float __uint_as_float(unsigned int u) {
   float f;

@@ -21,6 +21,7 @@ Config& config();
 // Counts of what ran, for tests that check launch counts.
 struct Stats {
   long launches = 0, blocks = 0;
+  size_t last_dynamic_smem = 0;  // of the last launch that ran: tells the GEMM's kernels apart
 };
 Stats& stats();
 

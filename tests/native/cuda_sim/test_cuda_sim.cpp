@@ -858,6 +858,64 @@ void test_gemm(std::mt19937& rng) {
   CHECK(gemm_unsupported(DType::kBFloat16, 0).empty(), "BF16 runs on sm_90: %s", gemm_unsupported(DType::kBFloat16, 0).c_str());
 }
 
+// The Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma on a compute capability 9.0 device, 16-byte aligned operands): its
+// tiles, swizzled copies and descriptors through the simulator's wgmma, against the CPU bit for bit.
+void test_gemm_wgmma(std::mt19937& rng) {
+  struct Env {  // MPFUSED_GEMM_KERNEL for the scope
+    explicit Env(const char* v) { v ? setenv("MPFUSED_GEMM_KERNEL", v, 1) : unsetenv("MPFUSED_GEMM_KERNEL"); }
+    ~Env() { unsetenv("MPFUSED_GEMM_KERNEL"); }
+  };
+  CHECK(gemm_sm90_built(), "the sm_90 build of gemm.cu holds the Hopper kernel");
+  {
+    Env e(nullptr);
+    CHECK(!gemm_sm90_selected(true, 0), "without MPFUSED_GEMM_KERNEL the WMMA kernel runs");
+  }
+  {
+    Env e("tensor-cores");
+    std::string err;
+    const long launches = mpf_sim::stats().launches;
+    GemmArgs g{};
+    g.batch = g.m = g.n = g.k = 1;
+    CHECK(throws([&] { gemm_cuda(g, nullptr); }, &err) && err.find("MPFUSED_GEMM_KERNEL") != std::string::npos,
+          "an unknown MPFUSED_GEMM_KERNEL is an error naming it: %s", err.c_str());
+    CHECK(mpf_sim::stats().launches == launches, "nothing launched for it");
+  }
+  Env e("wgmma");
+  CHECK(gemm_sm90_selected(true, 0) && !gemm_sm90_selected(false, 0), "wgmma: aligned operands only");
+  mpf_sim::Config& cfg = mpf_sim::config();
+  cfg.cc_major = 8;
+  CHECK(!gemm_sm90_selected(true, 0), "wgmma: compute capability 9.0 only");
+  cfg.cc_major = 9;
+
+  const bool small = small_scale();
+  std::vector<GemmCase> cases;
+  const Activation acts[] = {Activation::kNone, Activation::kRelu, Activation::kGelu, Activation::kGeluErf};
+  int i = 0;
+  for (bool ac : {false, true})
+    for (bool bc : {false, true})
+      for (DType in : {DType::kFloat16, DType::kBFloat16}) {
+        // Tails in M (136 of 2 x 128), N (264 of 2 x 256) and K (72: a partial second tile of 64), every leading
+        // dimension a whole number of 16-byte vectors; then more K tiles than stages (300: 5), with leading
+        // dimensions of whole vectors over sizes that are not.
+        cases.push_back({1, 136, 264, 72, ac, bc, 0, in, kDtypes[i % 3], i % 2 == 0, i % 3 == 0, i % 4 == 1, acts[i % 4], false});
+        if (!small || i % 3 == 0)
+          cases.push_back({2, 37, 29, 300, ac, bc, -1, in, kDtypes[(i + 1) % 3], true, true, true, acts[(i + 1) % 4], i % 2 == 0});
+        ++i;
+      }
+  cases.push_back({1, 5, 8, 0, false, false, 0, DType::kFloat16, DType::kFloat32, true, true, false, Activation::kNone, false});
+  if (!small)  // the block swizzle: more than kGemmGroupM tile rows
+    cases.push_back({1, 1104, 264, 16, true, false, 0, DType::kFloat16, DType::kFloat32, false, false, false, Activation::kNone, false});
+  for (const GemmCase& gc : cases) {
+    gemm_case(gc, rng);
+    CHECK(gc.k == 0 || mpf_sim::stats().last_dynamic_smem > 64 * 1024,
+          "%lldx%lldx%lld a_col %d b_col %d: the Hopper kernel ran (%zu bytes of shared memory)", static_cast<long long>(gc.m),
+          static_cast<long long>(gc.n), static_cast<long long>(gc.k), gc.a_col, gc.b_col, mpf_sim::stats().last_dynamic_smem);
+  }
+  // Misaligned operands take the WMMA kernel's element path.
+  gemm_case({1, 33, 40, 24, false, false, 3, DType::kFloat16, DType::kFloat16, true, false, true, Activation::kNone, false}, rng);
+  CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "misaligned operands: the WMMA kernel");
+}
+
 // ---- the simulator's own checks ------------------------------------------------------------------------------------
 }  // namespace
 
@@ -937,6 +995,7 @@ int main(int argc, char** argv) {
   part("overflow", test_overflow);
   part("optim", test_optim);
   part("gemm", test_gemm);
+  if (!sm75) part("gemm_wgmma", test_gemm_wgmma);
   if (only == "old_driver") part("old_driver", test_old_driver);
   if (only == "race") part("race", test_race);
   if (only == "smem_oob") part("smem_oob", test_smem_oob);

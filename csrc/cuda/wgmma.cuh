@@ -1,0 +1,106 @@
+// Hopper (sm_90a) warpgroup MMA for the GEMM (gemm.cu): shared-memory tiles in the 128-byte swizzle, their
+// matrix descriptors, and wgmma.mma_async m64n256k16 with FP32 accumulators (PTX ISA, "Asynchronous
+// Warpgroup Level Matrix Multiply-Accumulate").
+//
+// A tile is stored in atoms of 8 lines of 128 bytes (64 FP16/BF16 elements), 1024 bytes each, the 16-byte
+// chunk c of line l of an atom at chunk c ^ (l % 8): swizzle128 of the unswizzled offset. The hardware
+// applies the same XOR to the shared-memory address bits [4, 7) from bits [7, 10), so tiles start on
+// 1024-byte boundaries (the descriptors' base offset is then 0).
+//   - K-major operand (A row-major, B column-major): a line is one row (M or N) of 64 K elements; atoms of
+//     8 rows follow each other (stride dimension byte offset, SBO = 1024). One wgmma reads 16 K: the
+//     descriptor's start moves 32 bytes per step of 16 inside the 128-byte line, the swizzle still taken
+//     from the address.
+//   - MN-major operand (A column-major, B row-major): a line is one K index of 64 M or N elements; 8 K lines
+//     make an atom (SBO = 1024 between groups of 8 K), and the 64-element panels along M or N follow each
+//     other every kPanelBytes (leading dimension byte offset, LBO). One wgmma's 16 K are 2048 bytes further
+//     per step.
+//
+// The CUDA simulator (tests/native/cuda_sim) models these descriptors and the instruction from the same
+// reading of the PTX ISA; a GPU run is what checks that reading.
+#pragma once
+
+#include <cstdint>
+
+namespace mpf {
+namespace sm90 {
+
+constexpr int kLineBytes = 128;   // one line of a 128-byte-swizzled atom
+constexpr int kAtomBytes = 1024;  // 8 lines
+
+// The stored position of the unswizzled byte offset `off` of a tile that starts 1024-byte aligned.
+__host__ __device__ constexpr uint32_t swizzle128(uint32_t off) { return off ^ (((off >> 7) & 7u) << 4); }
+
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and stride dimension
+// byte offsets (each encoded as (x & 0x3FFFF) >> 4), base offset 0, swizzle mode 1 in bits [62, 64).
+__device__ __forceinline__ uint64_t smem_desc128(uint32_t start, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((start & 0x3FFFFu) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+// Orders this thread's earlier accesses of the accumulators before the next wgmma.mma_async.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// The wgmma.mma_async issued since the last commit become one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most kPending groups of this thread's warpgroup are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Makes this thread's generic-proxy writes of shared memory (cp.async's included) visible to the async
+// proxy that wgmma reads shared memory through; a barrier after it makes every thread's visible.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous MMAs.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// The operands of m64n256k16's 128 accumulators: "%0, ..., %127" and "+f"(d[0]), ..., "+f"(d[127]).
+#define MPF_WGMMA_N256_ACC_REGS \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define MPF_WGMMA_N256_ACC_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+// d (64 x 256, this thread's 128 of it) += A (64 x 16) B (16 x 256), both from shared memory through their
+// descriptors; kTransA / kTransB: 0 for a K-major operand, 1 for an MN-major one. Thread t of the
+// warpgroup (warp w = t / 32, lane l = t % 32) holds d[i] = D(16 w + l / 4 + 8 ((i / 2) % 2),
+// 8 (i / 4) + 2 (l % 4) + i % 2).
+template <bool kBf16, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" MPF_WGMMA_N256_ACC_REGS
+                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : MPF_WGMMA_N256_ACC_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" MPF_WGMMA_N256_ACC_REGS
+                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : MPF_WGMMA_N256_ACC_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB));
+  }
+}
+
+}  // namespace sm90
+}  // namespace mpf
