@@ -122,11 +122,16 @@ def gencode_flags(arch_list: str, sm90a_ok: bool = True) -> tuple[list[str], boo
     the "+PTX" ones), and whether they hold sm_90a code. Compute capability 9.0's machine code is built for
     sm_90a, the arch-specific target whose warpgroup MMAs the Hopper GEMM kernel uses (it runs on 9.0 GPUs
     only, as sm_90 code does); its PTX stays compute_90, which newer GPUs can compile. sm90a_ok False (an nvcc
-    older than CUDA 12.0, which has no sm_90a): plain sm_90, without the Hopper kernel."""
+    older than CUDA 12.0, which has no sm_90a): plain sm_90, without the Hopper kernel. A list that names
+    arches by name ("Hopper", "native", as torch accepts them) gives no flags: torch makes them, without sm_90a."""
     arch_entry = re.compile(r"(\d+)\.(\d+)(a?)(\+PTX)?")
+    entries = [e for e in (e.strip() for e in arch_list.replace(",", ";").replace(" ", ";").split(";")) if e]
+    if entries and all(re.fullmatch(r"[A-Za-z][A-Za-z+]*", e) for e in entries if not arch_entry.fullmatch(e)) \
+            and any(not arch_entry.fullmatch(e) for e in entries):
+        return [], False
     flags: list[str] = []
     sm90a = False
-    for entry in filter(None, (e.strip() for e in arch_list.replace(",", ";").replace(" ", ";").split(";"))):
+    for entry in entries:
         m = arch_entry.fullmatch(entry)
         if m is None:
             sys.exit(f"mpfused: TORCH_CUDA_ARCH_LIST entry {entry!r} is not an arch such as 8.0, 9.0a or 9.0+PTX "
@@ -134,9 +139,10 @@ def gencode_flags(arch_list: str, sm90a_ok: bool = True) -> tuple[list[str], boo
         num = m[1] + m[2]
         target = num + ("a" if num == "90" and sm90a_ok else m[3])
         sm90a = sm90a or target == "90a"
-        flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
-        if m[4]:
-            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+        for flag in (f"-gencode=arch=compute_{target},code=sm_{target}",
+                     *([f"-gencode=arch=compute_{num},code=compute_{num}"] if m[4] else [])):
+            if flag not in flags:
+                flags.append(flag)
     if not flags:
         sys.exit(f"mpfused: TORCH_CUDA_ARCH_LIST names no arch: {arch_list!r}")
     return flags, sm90a
@@ -207,6 +213,10 @@ def make_extension(version: str):
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
     release = nvcc_version(cpp_extension.CUDA_HOME)
     gencode, sm90a = gencode_flags(arch_list, sm90a_ok=int(release.split(".")[0]) >= 12)
+    if not gencode:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list  # torch makes the flags from the names
+        print(f"mpfused: TORCH_CUDA_ARCH_LIST={arch_list!r} names arches by name: torch's -gencode flags, without "
+              "the Hopper GEMM kernel (name 9.0 to have it)")
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
     cuda_define = ["-DMPFUSED_WITH_CUDA", f'-DMPFUSED_CUDA_ARCH_LIST="{arch_list}"']
     # Our own -gencode flags: torch adds none when the nvcc flags name an arch.

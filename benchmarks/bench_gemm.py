@@ -95,7 +95,8 @@ TORCH_PAIR_FP32 = "F.linear + F.gelu FP32"
 
 
 def check_exact(device: torch.device) -> None:
-    """Small integers: every product and sum is exact, so ours must equal the float64 product bit for bit."""
+    """Small integers: every product and sum is exact, so ours must equal the float64 product bit for bit (with
+    the kernel MPFUSED_GEMM_KERNEL selects)."""
     gen = torch.Generator().manual_seed(SEED)
     for dtype in DTYPES.values():
         a = torch.randint(-3, 4, (67, 129), generator=gen).to(dtype).to(device)
@@ -183,14 +184,10 @@ def hopper_kernel_available(device: torch.device) -> bool:
         return _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wgmma"
 
 
-def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
+def run_sections(args, device: torch.device, hopper: bool = False) -> list[dict[str, Any]]:
+    """Every problem with the default kernel and its anchors, or (hopper) the Hopper kernel beside cuBLAS alone."""
     gen = torch.Generator().manual_seed(SEED)
     on_cuda = device.type == "cuda"
-    hopper = hopper_kernel_available(device)
-    if on_cuda:
-        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): " + (
-            "measured too, in rounds of its own" if hopper else "not available here (needs compute capability 9.0 "
-            "and a build whose TORCH_CUDA_ARCH_LIST names 9.0)"))
     squares = SQUARE[device.type][:2] if args.quick else SQUARE[device.type]
     records: list[dict[str, Any]] = []
     problems = [("square", (s, s, s)) for s in squares]
@@ -202,9 +199,11 @@ def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
             print_text(f"[{section}] {m}x{n}x{k} {dtype_name} ...")
             # torch's FP16 GEMM on the CPU: ~3.5 s a call at 1024^3 here, ~100 s at 2048^3: timed once.
             single = (TORCH_LOWP,) if not on_cuda and dtype == torch.float16 and m * n * k >= 1024**3 else ()
-            with gemm_kernel(None):
-                records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device, single)
-            if hopper:
+            if not hopper:
+                with gemm_kernel(None):
+                    records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device,
+                                       single)
+            else:
                 with gemm_kernel("wgmma"):
                     records += measure(section, (m, n, k), dtype_name,
                                        [(OURS_WGMMA, lambda: mpfused.gemm(a, b), False),
@@ -217,9 +216,10 @@ def run_sections(args, device: torch.device) -> list[dict[str, Any]]:
         for dtype_name, dtype in DTYPES.items():
             print_text(f"[linear+gelu] {shape[0]} tokens x {shape[2]} in -> {shape[1]} out {dtype_name} ...")
             methods = linear_gelu_methods(shape, dtype, device, gen)
-            with gemm_kernel(None):
-                records += measure("linear+gelu", shape, dtype_name, methods, args, device)
-            if hopper:
+            if not hopper:
+                with gemm_kernel(None):
+                    records += measure("linear+gelu", shape, dtype_name, methods, args, device)
+            else:
                 fused, pair = methods[0][1], methods[2][1]
                 with gemm_kernel("wgmma"):
                     records += measure("linear+gelu", shape, dtype_name,
@@ -306,21 +306,34 @@ def main() -> None:
     print_header(NAME, machine, roofs)
     print_text(f"{args.warmup} warm-up + up to {args.repeats} timed calls per method, at most ~{args.max_seconds:g} s "
                "each (at least 3 calls), round-robin within each problem")
-    check_exact(device)
+    with gemm_kernel(None):
+        check_exact(device)
     print_text("agreement check: mpfused.gemm equals the exact product on small-integer FP16 and BF16 inputs")
     records = run_sections(args, device)
+    out = json_path(args, NAME)
+    config = {"seed": SEED, "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
+              "max_seconds": args.max_seconds, "square": SQUARE[device.type],
+              "transformer": TRANSFORMER if device.type == "cuda" else [],
+              "linear_gelu_mnk": LINEAR_GELU[device.type], "torch_num_threads": torch.get_num_threads()}
+    if hopper_kernel_available(device):
+        # The Hopper kernel has not run on a GPU before: the results so far are saved first, so that a fault in
+        # its rounds (which loses the process's CUDA context) keeps them.
+        if out is not None:
+            write_json(out, machine, roofs, records, config=config, targets=evaluate_targets(records, device))
+        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): agreement check, then rounds of its own "
+                   "beside cuBLAS")
+        with gemm_kernel("wgmma"):
+            check_exact(device)
+        records += run_sections(args, device, hopper=True)
+    elif device.type == "cuda":
+        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): not available here (needs compute "
+                   "capability 9.0 and a build whose TORCH_CUDA_ARCH_LIST names 9.0)")
     machine["cpu_busy_after_run"] = cpu_busy_fraction()
     warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
     print_results(records, device)
     targets = evaluate_targets(records, device)
     print_targets(targets)
-
-    out = json_path(args, NAME)
     if out is not None:
-        config = {"seed": SEED, "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
-                  "max_seconds": args.max_seconds, "square": SQUARE[device.type],
-                  "transformer": TRANSFORMER if device.type == "cuda" else [],
-                  "linear_gelu_mnk": LINEAR_GELU[device.type], "torch_num_threads": torch.get_num_threads()}
         write_json(out, machine, roofs, records, config=config, targets=targets)
         print_text(f"wrote {out}")
 

@@ -37,6 +37,8 @@ class Workload:
     kernel: str  # the regex ncu selects the kernel by (its function name)
     goal: str    # the goal it misses (or the pair it belongs to)
     run: Callable[[torch.device], None]
+    # why the workload cannot run on this machine, or None (default: it can wherever there is a GPU)
+    unavailable: Callable[[], Optional[str]] = lambda: None
 
 
 def _sizes(total: int, n: int = 300) -> list[int]:
@@ -82,6 +84,23 @@ def _gemm(device: torch.device) -> None:
     mpfused.gemm(a, b)
 
 
+def _hopper_unavailable() -> Optional[str]:
+    """Why MPFUSED_GEMM_KERNEL=wgmma would not take the Hopper kernel here (then ncu would find no launch of it)."""
+    import os
+
+    from mpfused import _ops
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    os.environ["MPFUSED_GEMM_KERNEL"] = "wgmma"
+    try:
+        if _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wgmma":
+            return None
+    finally:
+        del os.environ["MPFUSED_GEMM_KERNEL"]
+    return "the Hopper GEMM kernel needs compute capability 9.0 and a build whose TORCH_CUDA_ARCH_LIST names 9.0"
+
+
 def _gemm_wgmma(device: torch.device) -> None:
     import os
 
@@ -104,7 +123,8 @@ WORKLOADS: dict[str, Workload] = {
     "check-fp16": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float16)),
     "check-fp32": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float32)),
     "gemm-fp16-4096": Workload("gemm_kernel", "WMMA GEMM >= 50% of cuBLAS", _gemm),
-    "gemm-fp16-4096-wgmma": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS", _gemm_wgmma),
+    "gemm-fp16-4096-wgmma": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS", _gemm_wgmma,
+                                     _hopper_unavailable),
     "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
 }
 
@@ -198,7 +218,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_kernels", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="the workloads: name, kernel regex, goal")
+    sub.add_parser("list", help="the workloads: name, kernel regex, goal, and why it cannot run here (empty: it can)")
     run = sub.add_parser("run", help="one workload, once, on CUDA")
     run.add_argument("workload", choices=list(WORKLOADS))
     summ = sub.add_parser("summarize", help="a table of ncu's CSV files")
@@ -207,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "list":
         for name, w in WORKLOADS.items():
-            print(f"{name}\t{w.kernel}\t{w.goal}")
+            print(f"{name}\t{w.kernel}\t{w.goal}\t{w.unavailable() or ''}")
         return 0
     if args.cmd == "run":
         if not torch.cuda.is_available():

@@ -77,13 +77,12 @@ int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::
   return static_cast<int64_t>(mpf::plan_multi_tensor(numel.data(), static_cast<int64_t>(numel.size()), lim).size());
 }
 
-// Empty when mpfused's GEMM runs `dtype` ("float16" or "bfloat16") inputs on CUDA device `index`, else
-// the reason (FusedLinear then falls back to torch's matmul, with a warning).
 // The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
 // MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel) or "wmma".
 std::string gemm_cuda_kernel(int64_t index) {
 #ifdef MPFUSED_WITH_CUDA
   const int64_t count = c10::cuda::device_count();
+  if (count == 0) fail("no CUDA device is visible");
   if (index < 0 || index >= count)
     fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
@@ -94,6 +93,8 @@ std::string gemm_cuda_kernel(int64_t index) {
 #endif
 }
 
+// Empty when mpfused's GEMM runs `dtype` ("float16" or "bfloat16") inputs on CUDA device `index`, else
+// the reason (FusedLinear then falls back to torch's matmul, with a warning).
 std::string gemm_unsupported(const std::string& dtype, int64_t index) {
   if (dtype != "float16" && dtype != "bfloat16") fail("dtype must be 'float16' or 'bfloat16', got '" + dtype + "'");
 #ifdef MPFUSED_WITH_CUDA

@@ -112,8 +112,8 @@ def test_setup_reads_the_nvcc_release(tmp_path):
 
 def test_setup_builds_compute_capability_9_for_sm90a():
     """setup.py makes its own -gencode flags: machine code per arch, compute capability 9.0 as sm_90a (the Hopper
-    GEMM's warpgroup MMAs), PTX for "+PTX" entries as the generic compute_XY (which newer GPUs compile); a bad
-    entry stops the build naming it."""
+    GEMM's warpgroup MMAs), PTX for "+PTX" entries as the generic compute_XY (which newer GPUs compile), each flag
+    once; arches named as torch names them are left to torch; a bad entry stops the build naming it."""
     flags = _setup_functions("gencode_flags")["gencode_flags"]
     assert flags("7.5;8.0;9.0+PTX") == (["-gencode=arch=compute_75,code=sm_75", "-gencode=arch=compute_80,code=sm_80",
                                          "-gencode=arch=compute_90a,code=sm_90a",
@@ -125,6 +125,9 @@ def test_setup_builds_compute_capability_9_for_sm90a():
                                   "-gencode=arch=compute_100,code=compute_100"], False)
     assert flags("9.0+PTX", sm90a_ok=False) == (["-gencode=arch=compute_90,code=sm_90",
                                                  "-gencode=arch=compute_90,code=compute_90"], False)
-    for bad in ("Ampere", "9", "8.0;sm_90", ""):
+    assert flags("9.0;9.0a;8.0") == (["-gencode=arch=compute_90a,code=sm_90a",
+                                      "-gencode=arch=compute_80,code=sm_80"], True)  # each flag once
+    assert flags("Ampere;Hopper") == ([], False) and flags("native") == ([], False)  # torch's names: torch's flags
+    for bad in ("9", "8.0;sm_90", "Hopper;sm_90", ""):
         with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
             flags(bad)

@@ -625,7 +625,8 @@ bool gemm_sm90_built() {
 }
 
 bool gemm_sm90_selected(bool vector_path, int device) {
-  if (!vector_path || !gemm_sm90_built() || gemm_kernel_choice() != GemmKernelChoice::kWgmma) return false;
+  // The setting first: a value that is neither kernel is an error on every build and GPU.
+  if (gemm_kernel_choice() != GemmKernelChoice::kWgmma || !vector_path || !gemm_sm90_built()) return false;
   int major = 0, minor = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
   cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
