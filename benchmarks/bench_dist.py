@@ -39,7 +39,7 @@ iteration, so that every rank skips together; torch's checks the grads through D
 nothing across ranks. They are reported as INFO, not as a goal.
 
 Timing: each method's optimizer takes a first step apart (state is created lazily), then ``--warmup``
-untimed and up to ``--repeats`` timed calls, round-robin over the methods as the harness's
+untimed and up to ``--repeats`` timed calls, in rounds over the methods in a shuffled order as the harness's
 ``time_interleaved`` does (same warm-up and ``--max-seconds`` rule), with one difference: every rank
 waits at a barrier before each timed call (outside the timed region). The ranks then start each call
 together, so a call with a collective (our scaler's found_inf all-reduce) is charged the collective's
@@ -98,6 +98,7 @@ from .harness import (
     print_header,
     print_table,
     print_text,
+    round_orders,
     warn_if_busy,
     write_json,
 )
@@ -225,8 +226,10 @@ def time_aligned(fns: list[Callable[[], object]], *, warmup: int, repeats: int, 
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         counts.append(int(agreed))
     samples: list[list[float]] = [[] for _ in fns]
-    for round_ in range(max(counts)):
-        for fn, count, out in zip(fns, counts, samples):
+    # round_orders is seeded: every rank calls the methods in the same order, as the barriers need
+    for round_, order in enumerate(round_orders(len(fns), max(counts))):
+        for i in order:
+            fn, count, out = fns[i], counts[i], samples[i]
             if round_ >= count:
                 continue
             dist.barrier()
@@ -567,7 +570,7 @@ def main() -> None:
                f"{PARAMS_PER_MODULE} (+ the root), {sum(numels):,} elements ({numels[0]} to {numels[-1]} per param, "
                f"median {numels[len(numels) // 2]}), 1-D/2-D/3-D shapes, Shard(0) over {args.world} ranks; {args.world} "
                f"processes (gloo, 1 torch thread each); {args.warmup} warm-up + up to {args.repeats} timed calls per "
-               f"method, at most ~{args.max_seconds:g} s each, barrier-aligned round-robin")
+               f"method, at most ~{args.max_seconds:g} s each, barrier-aligned rounds in a shuffled order")
     config = {"params": n_params, "scaler": args.scaler, "for_loop": args.for_loop, "profile": args.profile,
               "warmup": args.warmup, "repeats": args.repeats, "max_seconds": args.max_seconds,
               "collective_timeout_s": max(30.0, args.timeout)}
@@ -602,7 +605,7 @@ def main() -> None:
                "weight_decay": WEIGHT_DECAY, "grad_std": GRAD_STD, "warmup": args.warmup, "max_repeats": args.repeats,
                "max_seconds": args.max_seconds, "scaler": args.scaler, "for_loop": args.for_loop, "quick": args.quick,
                "torch_threads_per_rank": payload["torch_threads"], "backend": "gloo",
-               "timing": "round-robin, barrier of all ranks before each timed call (outside the timed region)"}
+               "timing": "rounds in a shuffled order (harness.round_orders), barrier of all ranks before each timed call (outside the timed region)"}
         write_json(out, machine, roofs, records, config=cfg, targets=targets, checks_ok=checks_ok,
                    per_rank=[{k: v for k, v in r.items() if k != "records"} for r in payload["ranks"]],
                    records_per_rank=[r["records"] for r in payload["ranks"]], phases_s=payload["phases_s"],

@@ -2,7 +2,8 @@
 
 Convert (``quantize``: float32 in, float32 values out; ``encode``: float32 in, int16 codes out) of a large
 standard-normal tensor, with round-to-nearest and with stochastic rounding (Philox words drawn on the fly),
-against anchors measured in the same run, round-robin with our calls. Two ways of calling it:
+against anchors measured in the same run, in rounds with our calls, each call after an untimed read of four
+times the last cache level (harness.CacheFlush). Two ways of calling it:
 
 - into an output that exists already (``out=``), against torch's ``y.copy_(x)`` of the same 4 + 4 bytes per
   element between preallocated buffers: a copy at the memory's speed, the roof the goals use (as
@@ -105,10 +106,12 @@ def main() -> None:
     x = torch.randn(n, generator=torch.Generator().manual_seed(SEED)).to(device) * 4
     probe = h.RoofProbe(device)
     methods = quantize_methods(x)
+    flush = h.CacheFlush(device)  # calls of 50-300 µs on a GPU would pay for the dirty L2 lines of the one before
+    h.print_text(flush.describe())
     copy_t, *timings = h.time_interleaved([probe.copy] + [m[3] for m in methods], device, warmup=args.warmup,
-                                        repeats=args.repeats, max_seconds=args.max_seconds)
+                                        repeats=args.repeats, max_seconds=args.max_seconds, flush=flush)
     copy_roof = 2 * probe.buffer_bytes / copy_t.median
-    del probe
+    del probe, flush
     records: list[dict[str, Any]] = []
     by_name = {}
     for (name, anchor, per_elem, _), t in zip(methods, timings):

@@ -22,8 +22,11 @@ check + unscale       ``inv_scale, unscale=True,``       torch's check with inv_
 
 Effective bandwidth counts the bytes a task needs: the list read once, plus written once when the task
 unscales. It is compared with the read roof of the harness (and, for tasks that write, with the copy
-roof), timed round-robin with each dtype's methods so that both see the same machine state; the "roof"
-rows show the time the list's bytes would take at those bandwidths. The roofs measured alone at the
+roof), timed in rounds with each dtype's methods so that both see the same machine state; the "roof"
+rows show the time the list's bytes would take at those bandwidths. Every timed call, the roofs' included,
+follows an untimed read of four times the last cache level (harness.CacheFlush): a call of tens of µs
+would otherwise carry the write-backs of whatever ran before it (on an H200 the check paid about 8 µs of
+its 62 µs for the dirty lines of the copy roof's ``y.copy_(x)``, which ran before it in 10 rounds of 11). The roofs measured alone at the
 start are the machine's anchors in the header and the JSON. The run warns when other processes kept
 the cpus busy.
 
@@ -62,6 +65,7 @@ from mpfused._ops import overflow_limits, overflow_planned_launches
 from .goals import goal
 from .harness import (
     GB,
+    CacheFlush,
     RoofProbe,
     Roofs,
     count_cuda_kernels,
@@ -258,7 +262,7 @@ def check_agreement(grads: list[torch.Tensor], device: torch.device, dtype_name:
 
 # ---- measurement and report ---------------------------------------------------------------------------
 def measure_dtype(dtype_name: str, sizes: list[int], args: argparse.Namespace,
-                  probe: RoofProbe) -> tuple[Roofs, list[dict[str, Any]]]:
+                  probe: RoofProbe, flush: CacheFlush) -> tuple[Roofs, list[dict[str, Any]]]:
     """Times every method on a freshly generated list of ``dtype_name``, interleaved with the roof
     probe, and returns the roofs so measured and one record per method."""
     device = args.device
@@ -267,7 +271,8 @@ def measure_dtype(dtype_name: str, sizes: list[int], args: argparse.Namespace,
     list_bytes = sum(t.numel() * t.element_size() for t in grads)
     methods = make_methods(grads, device)
     read, copy, *timings = time_interleaved([probe.read, probe.copy] + [m.fn for m in methods], device,
-                                            warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds)
+                                            warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
+                                            flush=flush)
     roofs = probe.roofs(read, copy)
     records = []
     for method, timing in zip(methods, timings):
@@ -406,12 +411,15 @@ def main() -> None:
                f"at most ~{args.max_seconds:g} s each (at least 3 calls)")
 
     probe = RoofProbe(device)
+    flush = CacheFlush(device)
+    print_text(flush.describe())
     roofs_by_dtype: dict[str, Roofs] = {}
     records: list[dict[str, Any]] = []
     for dtype_name in DTYPES:
-        roofs_by_dtype[dtype_name], of_dtype = measure_dtype(dtype_name, sizes, args, probe)
+        roofs_by_dtype[dtype_name], of_dtype = measure_dtype(dtype_name, sizes, args, probe, flush)
         records += of_dtype
-    del probe
+    flush_bytes = flush.nbytes
+    del probe, flush
     machine["cpu_busy_after_run"] = cpu_busy_fraction()
     warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
     print_results(records, roofs_by_dtype, device)
@@ -422,7 +430,7 @@ def main() -> None:
     if out is not None:
         config = {"tensors": len(sizes), "elements": elements, "sizes": sizes, "seed": SEED,
                   "loss_scale": LOSS_SCALE, "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
-                  "max_seconds": args.max_seconds,
+                  "max_seconds": args.max_seconds, "flush_bytes": flush_bytes,
                   "overflow_limits": limits, "planned_launches": planned}
         write_json(out, machine, roofs, records, config=config, targets=targets,
                    roofs_interleaved={name: r.to_dict() for name, r in roofs_by_dtype.items()})

@@ -1,7 +1,8 @@
 """Benchmark of stochastic rounding, ``mpfused.round_stochastic`` (FP32 -> FP16/BF16).
 
 One large FP32 tensor (default 64M elements; ``--quick``: 4M) is rounded into a preallocated FP16 or BF16
-tensor (``out=``), against these anchors measured in the same run, timed round-robin with it:
+tensor (``out=``), against these anchors measured in the same run, timed in rounds with it, each call after
+an untimed read of four times the last cache level (harness.CacheFlush):
 
 - the copy roof: ``y.copy_(x)`` between FP32 buffers, as bytes read + written per second (harness);
 - torch's round-to-nearest conversion of the same tensor into the same output, ``y.copy_(x)``: the same
@@ -31,6 +32,7 @@ import mpfused
 from .goals import goal
 from .harness import (
     GB,
+    CacheFlush,
     RoofProbe,
     cpu_busy_fraction,
     json_path,
@@ -82,7 +84,7 @@ def main() -> None:
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))
     print_header(NAME, machine, roofs)
     print_text(f"x: {n / 1e6:.1f}M float32 elements, randn * 1e-3; {args.warmup} warm-up + up to {args.repeats} "
-               f"timed calls per method, round-robin with the roof probe")
+               f"timed calls per method, in rounds with the roof probe")
 
     gen_n = 1 << 20
     words = torch.empty(gen_n, dtype=torch.int32, device=device)  # the operator writes the bits here
@@ -92,6 +94,8 @@ def main() -> None:
     gen_x = torch.Generator(device=device).manual_seed(SEED)
     x = torch.randn(n, device=device, generator=gen_x) * 1e-3
     probe = RoofProbe(device)
+    flush = CacheFlush(device)  # each call of 0.1 ms on a GPU would pay for the dirty L2 lines of the one before
+    print_text(flush.describe())
     records: list[dict[str, Any]] = []
     for name, dtype in DTYPES.items():
         out = torch.empty(n, dtype=dtype, device=device)
@@ -101,7 +105,7 @@ def main() -> None:
         if dtype == torch.bfloat16:
             methods.append((TORCH_SR, lambda: torch_sr_bf16(x, out)))
         copy, *timings = time_interleaved([probe.copy] + [fn for _, fn in methods], device, warmup=args.warmup,
-                                          repeats=args.repeats, max_seconds=args.max_seconds)
+                                          repeats=args.repeats, max_seconds=args.max_seconds, flush=flush)
         roof_bps = 2 * probe.buffer_bytes / copy.median
         for (method, _), t in zip(methods, timings):
             bps = 6 * n / t.median

@@ -3,8 +3,9 @@
 Every benchmark script in this directory uses the same pieces, so its numbers can be compared across
 scripts and machines:
 
-- :func:`time_interleaved` / :func:`time_fn` time callables (warm-up, then repeats, round-robin;
-  CUDA events on a GPU, ``perf_counter`` on the CPU) and return every sample with median and spread.
+- :func:`time_interleaved` / :func:`time_fn` time callables (warm-up, then repeats in rounds of one call
+  each, in a shuffled order; optionally a :class:`CacheFlush` before each timed call; CUDA events on a
+  GPU, ``perf_counter`` on the CPU) and return every sample with median and spread.
 - :func:`machine_info` describes where the numbers were taken.
 - :func:`measure_roofs` measures the device's memory roofs (copy and read bandwidth on a buffer much
   larger than any cache). Results are expressed against these anchors ("% of read roof"), measured in
@@ -28,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -102,14 +104,75 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def round_orders(n: int, rounds: int, seed: int = 0) -> list[list[int]]:
+    """The order of the ``n`` callables in each of ``rounds`` rounds of :func:`time_interleaved`: a
+    permutation shuffled afresh every round (seeded, so a rerun repeats it). A fixed cyclic order, even
+    started one callable further on each round, has callable i follow callable i - 1 in all but one
+    round of n, and so inherit the same machine state every time: on an H200 the overflow check (62 µs)
+    always ran right after the copy roof's 2 GiB ``y.copy_(x)`` and paid about 8 µs for the dirty lines
+    that copy left in L2 (54 µs in the one round of 11 where something else came before it)."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The size of the device's last cache level: the GPU's L2, or the CPU's largest cache that sysfs
+    lists (0 where neither says)."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if m:
+            sizes.append(int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
+    return max(sizes)
+
+
+class CacheFlush:
+    """An untimed call for :func:`time_interleaved`'s ``flush``: reads (``x.sum()``) a buffer four times
+    the last cache level (at least 64 MB), which evicts every line an earlier call left, writing back the
+    dirty ones, and leaves only clean lines behind. Each timed call then starts from the same cache
+    state whatever ran before it. For callables short enough that a cache's worth of write-backs is a
+    visible part of their time (tens of µs on a GPU); it reads only, so it adds no dirty lines itself."""
+
+    MIN_BYTES = 64 * 2**20
+
+    def __init__(self, device: torch.device, nbytes: Optional[int] = None) -> None:
+        if nbytes is None:
+            nbytes = max(4 * last_level_cache_bytes(device), self.MIN_BYTES)
+        self.x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        self.nbytes = self.x.numel() * 4
+        self.calls = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        return self.x.sum()
+
+    def describe(self) -> str:
+        return f"each timed call follows an untimed read of {self.nbytes / 2**20:.0f} MiB (CacheFlush)"
+
+
 def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, *, warmup: int, repeats: int,
-                     max_seconds: Optional[float] = None, min_repeats: int = 3) -> list[Timing]:
+                     max_seconds: Optional[float] = None, min_repeats: int = 3,
+                     flush: Optional[Callable[[], object]] = None) -> list[Timing]:
     """Times several callables in alternation and returns one :class:`Timing` per callable.
 
-    Each callable gets ``warmup`` untimed calls, then the timed calls go round-robin: one call of each
-    callable per round, each round starting one callable further on. Slow drifts of the machine (other tenants of a virtual machine, clocks) then
-    affect every callable alike, and ratios between them stay meaningful where timing them one after
-    the other could be tens of percent off.
+    Each callable gets ``warmup`` untimed calls, then the timed calls go in rounds: one call of each
+    callable per round, in an order shuffled afresh each round (:func:`round_orders`), so that no
+    callable always follows the same one and inherits its cache and allocator state (after a roof
+    probe's copy, a cache full of dirty lines). Slow drifts of the machine (other tenants of a virtual
+    machine, clocks) then affect every callable alike, and ratios between them stay meaningful where
+    timing them one after the other could be tens of percent off. With ``flush`` (a :class:`CacheFlush`),
+    every timed call follows an untimed call of it, so every call starts from the same cache state.
 
     With ``max_seconds``, a callable whose warm-up shows that ``repeats`` calls would take longer than
     that is timed in fewer rounds, but in at least ``min_repeats`` (or ``repeats`` if smaller). The
@@ -119,8 +182,9 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, 
     are queued back to back, and the host synchronises only after the warm-up (so warm-up work is not
     counted) and after the last timed call (to read the events). A call's time is therefore the device
     time between its events, which includes any gap where the device waited for the host to enqueue
-    work: launch-bound callables are charged for their launches. On the CPU each call is timed with
-    ``time.perf_counter``.
+    work: launch-bound callables are charged for their launches (a flush queued before them gives the
+    host a head start of the flush's device time, so leave it out where host time is measured). On the
+    CPU each call is timed with ``time.perf_counter``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -138,15 +202,13 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, 
 
     on_cuda = device.type == "cuda"
     samples: list[list] = [[] for _ in fns]  # CUDA: (start, end) event pairs; CPU: seconds
-    n = len(fns)
-    for round_ in range(max(counts)):
-        # each round starts one callable further on, so that each follows each other one equally often:
-        # a callable that runs right after another inherits its cache and allocator state (after a roof
-        # probe's copy, a cold cache), which a fixed order would charge to the same callable every round
-        for k in range(n):
-            fn, count, out = fns[(round_ + k) % n], counts[(round_ + k) % n], samples[(round_ + k) % n]
-            if round_ >= count:
+    for round_, order in enumerate(round_orders(len(fns), max(counts))):
+        for i in order:
+            if round_ >= counts[i]:
                 continue
+            fn, out = fns[i], samples[i]
+            if flush is not None:
+                flush()  # queued before the start event on CUDA; done when it returns on the CPU
             if on_cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

@@ -1,0 +1,85 @@
+"""benchmarks/harness.py's timing loop: the order of the calls in each round, and the cache flush before
+each timed call. The numbers the benchmarks report depend on what ran just before each call (a GPU
+kernel of tens of µs pays for the dirty lines its predecessor left in L2), so the order is part of what
+they measure."""
+
+import time
+from collections import Counter
+
+import torch
+
+from benchmarks import harness as h
+
+CPU = torch.device("cpu")
+
+
+def test_each_round_is_a_permutation_and_reruns_repeat_it():
+    orders = h.round_orders(11, 50)
+    assert len(orders) == 50
+    assert all(sorted(o) == list(range(11)) for o in orders)
+    assert orders == h.round_orders(11, 50)
+    assert len({tuple(o) for o in orders}) > 40  # shuffled afresh, not one order rotated
+
+
+def predecessors(calls, target):
+    """Which callable ran just before each timed call of `target` in a sequence of names."""
+    return Counter(calls[i - 1] for i in range(1, len(calls)) if calls[i] == target)
+
+
+def recording_fns(n, calls):
+    def make(i):
+        return lambda: calls.append(i)
+    return [make(i) for i in range(n)]
+
+
+def test_no_callable_always_follows_the_same_one():
+    # The cyclic order it replaces had callable i right after callable i - 1 in all rounds but one in n.
+    n, rounds = 11, 50
+    calls: list = []
+    h.time_interleaved(recording_fns(n, calls), CPU, warmup=0, repeats=rounds)
+    assert Counter(calls) == {i: rounds for i in range(n)}
+    for target in range(n):
+        before = predecessors(calls, target)
+        assert len(before) >= n // 2, (target, before)
+        assert max(before.values()) <= rounds // 4, (target, before)
+
+
+def test_flush_runs_before_every_timed_call_and_not_before_the_warm_up():
+    calls: list = []
+    flushes = []
+
+    def flush():
+        flushes.append(len(calls))
+        calls.append("flush")
+
+    timings = h.time_interleaved(recording_fns(3, calls), CPU, warmup=2, repeats=4, flush=flush)
+    assert [len(t.samples_s) for t in timings] == [4, 4, 4]
+    warm_up, timed = calls[:6], calls[6:]
+    assert "flush" not in warm_up
+    assert len(timed) == 2 * 12
+    assert all(timed[k] == "flush" and timed[k + 1] != "flush" for k in range(0, len(timed), 2))
+
+
+def test_fewer_repeats_for_a_slow_callable_keep_the_others_whole():
+    calls: list = []
+    fns = recording_fns(3, calls)
+
+    def slow():
+        time.sleep(0.02)
+        calls.append("slow")
+
+    timings = h.time_interleaved(fns + [slow], CPU, warmup=1, repeats=10, max_seconds=0.05, min_repeats=3)
+    assert [len(t.samples_s) for t in timings[:3]] == [10, 10, 10]
+    assert 3 <= len(timings[3].samples_s) < 10
+
+
+def test_cache_flush_reads_a_buffer_beyond_the_last_cache_level():
+    llc = h.last_level_cache_bytes(CPU)
+    assert llc >= 0
+    flush = h.CacheFlush(CPU)
+    assert flush.nbytes >= max(4 * llc, h.CacheFlush.MIN_BYTES) - 4
+    assert float(flush()) == flush.x.numel()  # a read of every element (ones)
+    assert flush.calls == 1
+    assert f"{flush.nbytes / 2**20:.0f} MiB" in flush.describe()
+    small = h.CacheFlush(CPU, nbytes=4096)
+    assert small.nbytes == 4096
