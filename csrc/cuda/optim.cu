@@ -312,7 +312,21 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 
   const int64_t head = vec ? n / kVec * kVec : 0;
   if (!sr) {
-    for (int64_t i = int64_t{threadIdx.x} * kVec; i < head; i += int64_t{kThreads} * kVec) {
+    // Two vectors a thread, both loaded before either is updated: the loads of an iteration cannot pass
+    // the stores of the one before (the compiler cannot tell that they do not alias), so one vector an
+    // iteration left a thread one vector's bytes in flight: 56-64 bytes, about 30 KB per SM at the two
+    // blocks per SM the registers allow, which measured 85-87% of the copy roof on an H200. Each thread
+    // still visits its elements in the same order (the reduce pass's sums stay bit for bit).
+    constexpr int64_t kStride = int64_t{kThreads} * kVec;
+    int64_t i = int64_t{threadIdx.x} * kVec;
+    for (; i + kStride < head; i += 2 * kStride) {
+      VecIn d0, d1;
+      load_vec(i, d0);
+      load_vec(i + kStride, d1);
+      finish_vec(i, d0, nullptr);
+      finish_vec(i + kStride, d1, nullptr);
+    }
+    if (i < head) {
       VecIn d;
       load_vec(i, d);
       finish_vec(i, d, nullptr);
