@@ -334,21 +334,24 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     for (int64_t i = head + threadIdx.x; i < n; i += kThreads) scalar(i, 0u);
     return;
   }
-  // Stochastic rounding: every thread runs every window (the barriers). Window w: its loads are issued,
-  // window w + 1's Philox blocks are computed while they are in flight, a barrier, then the update, which
-  // reads window w's bits. Three buffers, so that the barrier can come before the update: buffer (w + 1) % 3,
-  // filled in iteration w, was last read in iteration w - 2, before barrier w - 1, which every thread
-  // passed before iteration w (two buffers would need a barrier after the update too, and a warp could
-  // then issue no load for window w + 1 before the slowest warp had finished window w).
+  // Stochastic rounding: every thread runs every window (the barriers). Iteration w: window w + 1's loads
+  // are issued (window w's were issued in iteration w - 1: two vectors a thread in flight, as in the loop
+  // above), window w + 1's Philox blocks are computed while they are in flight, a barrier, then window w's
+  // update, which reads window w's bits. Three buffers, so that the barrier can come before the update:
+  // buffer (w + 1) % 3, filled in iteration w, was last read in iteration w - 2, before barrier w - 1,
+  // which every thread passed before iteration w (two buffers would need a barrier after the update too,
+  // and a warp could then issue no load for window w + 1 before the slowest warp had finished window w).
   uint32_t* const bufs = sr_buffers();
   const int lead = static_cast<int>(first & 7u);  // windows start at multiples of kSrWindow: all at this place
   if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
+  VecIn d;  // window w's values
+  if (int64_t{threadIdx.x} * kVec < head) load_vec(int64_t{threadIdx.x} * kVec, d);
   int w = 0;
   for (int64_t base = 0; base < head; base += kSrWindow, ++w) {
     const int64_t i = base + int64_t{threadIdx.x} * kVec;
-    VecIn d;
-    if (i < head) load_vec(i, d);
     const int64_t next = base + kSrWindow;
+    VecIn d_next{};  // zero where this thread has no element in window w + 1 (then never read)
+    if (i + kSrWindow < head) load_vec(i + kSrWindow, d_next);
     if (next < head)
       sr_fill(bufs + ((w + 1) % kSrBuffers) * kSrWords, c.seed, first + static_cast<uint64_t>(next),
               head - next < kSrWindow ? head - next : kSrWindow, b.sr_s0);
@@ -360,6 +363,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       for (int e = 0; e < kVec; ++e) words[e] = sr_bits(cur, lead, threadIdx.x * kVec + e);
       finish_vec(i, d, words);
     }
+    d = d_next;
   }
   if (head > 0) __syncthreads();  // the last window's reads, before buffer 0 is filled again
   // Element by element, a window of kThreads at a time; its first element need not start a block.
