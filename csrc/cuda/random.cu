@@ -44,11 +44,17 @@ __global__ void __launch_bounds__(kThreads) round_kernel(RandomArgs r, const flo
   const bool aligned = (r.offset & 7u) == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
                        (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
   for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
-    const Philox4 p = philox_block(r.seed, (r.offset >> 3) + b, r.s0, r.s1);
     const int64_t i0 = static_cast<int64_t>(b * 8);
-    if (aligned && i0 + 8 <= r.numel) {
-      const float4 x0 = *reinterpret_cast<const float4*>(src + i0);
-      const float4 x1 = *reinterpret_cast<const float4*>(src + i0 + 4);
+    const bool vec = aligned && i0 + 8 <= r.numel;
+    // The loads first, so that the Philox rounds (a chain of ~10 multiplies) run while they are in flight;
+    // issued after the rounds, under the branch, they could not start before the rounds were done.
+    float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+    if (vec) {
+      x0 = *reinterpret_cast<const float4*>(src + i0);
+      x1 = *reinterpret_cast<const float4*>(src + i0 + 4);
+    }
+    const Philox4 p = philox_block(r.seed, (r.offset >> 3) + b, r.s0, r.s1);
+    if (vec) {
       const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
       uint32_t packed[4];
 #pragma unroll
