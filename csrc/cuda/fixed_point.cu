@@ -42,14 +42,18 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a,
   const bool aligned = lead == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0 &&
                        (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
   for (uint64_t b = blockIdx.x * uint64_t{kThreads} + threadIdx.x; b < nblocks; b += uint64_t{gridDim.x} * kThreads) {
-    Philox4 p{{0u, 0u, 0u, 0u}};
-    if (stochastic) p = philox_block(a.seed, (a.offset >> 3) + b, kStreamRound, 0);
     const int64_t i0 = static_cast<int64_t>(b * 8);
-    if (aligned && i0 + 8 <= a.numel) {
-      SV in[8 / SV::N];
-      DV out[8 / DV::N];
+    const bool vec = aligned && i0 + 8 <= a.numel;
+    // The loads before the Philox rounds, so that the rounds run while they are in flight (random.cu).
+    SV in[8 / SV::N] = {};
+    if (vec) {
 #pragma unroll
       for (int j = 0; j < 8 / SV::N; ++j) in[j] = reinterpret_cast<const SV*>(src + i0)[j];
+    }
+    Philox4 p{{0u, 0u, 0u, 0u}};
+    if (stochastic) p = philox_block(a.seed, (a.offset >> 3) + b, kStreamRound, 0);
+    if (vec) {
+      DV out[8 / DV::N];
 #pragma unroll
       for (int k = 0; k < 8; ++k)
         out[k / DV::N].v[k % DV::N] = convert(in[k / SV::N].v[k % SV::N], stochastic ? philox_bits(p, k) : 0u);
