@@ -128,13 +128,16 @@ def last_level_cache_bytes(device: torch.device) -> int:
     sizes = [0]
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            text = (index / "size").read_text().strip()
+            sizes.append(parse_cache_size((index / "size").read_text()))
         except OSError:
             continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", text)
-        if m:
-            sizes.append(int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
     return max(sizes)
+
+
+def parse_cache_size(text: str) -> int:
+    """Bytes of a sysfs cache size ("32768K", "2M", "512"); 0 for anything else."""
+    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip())
+    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)] if m else 0
 
 
 class CacheFlush:
@@ -145,10 +148,12 @@ class CacheFlush:
     visible part of their time (tens of µs on a GPU); it reads only, so it adds no dirty lines itself."""
 
     MIN_BYTES = 64 * 2**20
+    UNKNOWN_CACHE_BYTES = 256 * 2**20  # where the cache size is not known: above any L2 or L3 we expect to meet
 
     def __init__(self, device: torch.device, nbytes: Optional[int] = None) -> None:
         if nbytes is None:
-            nbytes = max(4 * last_level_cache_bytes(device), self.MIN_BYTES)
+            llc = last_level_cache_bytes(device)
+            nbytes = max(4 * llc, self.MIN_BYTES) if llc > 0 else self.UNKNOWN_CACHE_BYTES
         self.x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         self.nbytes = self.x.numel() * 4
         self.calls = 0

@@ -77,9 +77,19 @@ def test_cache_flush_reads_a_buffer_beyond_the_last_cache_level():
     llc = h.last_level_cache_bytes(CPU)
     assert llc >= 0
     flush = h.CacheFlush(CPU)
-    assert flush.nbytes >= max(4 * llc, h.CacheFlush.MIN_BYTES) - 4
+    expected = max(4 * llc, h.CacheFlush.MIN_BYTES) if llc > 0 else h.CacheFlush.UNKNOWN_CACHE_BYTES
+    assert expected - 4 < flush.nbytes <= expected
     assert float(flush()) == flush.x.numel()  # a read of every element (ones)
     assert flush.calls == 1
     assert f"{flush.nbytes / 2**20:.0f} MiB" in flush.describe()
     small = h.CacheFlush(CPU, nbytes=4096)
     assert small.nbytes == 4096
+
+
+def test_cache_sizes_from_sysfs_and_a_flush_where_none_is_known(monkeypatch):
+    assert h.parse_cache_size("32768K\n") == 32 * 2**20
+    assert h.parse_cache_size("2M") == 2 * 2**20
+    assert h.parse_cache_size("512") == 512
+    assert h.parse_cache_size("unknown") == 0
+    monkeypatch.setattr(h, "last_level_cache_bytes", lambda device: 0)
+    assert h.CacheFlush(CPU).nbytes == h.CacheFlush.UNKNOWN_CACHE_BYTES
