@@ -111,6 +111,7 @@ def main() -> None:
     copy_t, *timings = h.time_interleaved([probe.copy] + [m[3] for m in methods], device, warmup=args.warmup,
                                         repeats=args.repeats, max_seconds=args.max_seconds, flush=flush)
     copy_roof = 2 * probe.buffer_bytes / copy_t.median
+    flush_bytes = flush.nbytes
     del probe, flush
     records: list[dict[str, Any]] = []
     by_name = {}
@@ -170,7 +171,8 @@ def main() -> None:
     if out is not None:
         h.write_json(out, machine, roofs, records, targets=targets, copy_roof_interleaved_GBps=copy_roof / h.GB,
                    config={"elements": n, "size": size, "fmt": FMT, "out_fmt": OUT_FMT, "seed": SEED,
-                           "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats})
+                           "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
+                           "flush_bytes": flush_bytes})
         h.print_text(f"wrote {out}")
 
 

@@ -1,6 +1,7 @@
 """Benchmark of the FP16/BF16 GEMM with FP32 accumulation, ``mpfused.gemm``, and of ``mpfused.nn.FusedLinear``.
 
-Sections (every method of a problem is timed round-robin with the others, in the same run):
+Sections (every method of a problem is timed in rounds with the others, a shuffled order each round, in the
+same run):
 
 =============== ===================================== =======================================================
 section         mpfused                               anchors (same run, same inputs)
@@ -113,9 +114,9 @@ def randn(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
 
 def measure(section: str, shape: tuple, dtype_name: str, methods: list[tuple[str, Callable[[], object], bool]],
             args, device: torch.device, single: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Times the methods round-robin; returns one record per method. methods: (name, fn, is_anchor). The
-    methods named in ``single`` take seconds to minutes a call: each is timed once, without warm-up,
-    after the others."""
+    """Times the methods in rounds (harness.time_interleaved); returns one record per method. methods:
+    (name, fn, is_anchor). The methods named in ``single`` take seconds to minutes a call: each is timed
+    once, without warm-up, after the others."""
     m, n, k = shape
     flop = 2.0 * m * n * k
     with torch.no_grad():
@@ -305,7 +306,7 @@ def main() -> None:
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=5)
     print_header(NAME, machine, roofs)
     print_text(f"{args.warmup} warm-up + up to {args.repeats} timed calls per method, at most ~{args.max_seconds:g} s "
-               "each (at least 3 calls), round-robin within each problem")
+               "each (at least 3 calls), in shuffled rounds within each problem")
     with gemm_kernel(None):
         check_exact(device)
     print_text("agreement check: mpfused.gemm equals the exact product on small-integer FP16 and BF16 inputs")

@@ -7,8 +7,8 @@ and 200M on CUDA; ``--params`` chooses the total, e.g. 50M, 200M or 1B where mem
 ``step()``'s host work for 300 tensors (see the host overhead table): the timings would measure Python
 rather than the kernels. The CPU keeps 50M so that a default run takes about a minute on two cores.
 
-Every section is timed round-robin in one run, interleaved with the harness's roof probe, so the methods
-and the roofs see the same machine state:
+Every section is timed in rounds (one call of each method per round, in a shuffled order) in one run,
+interleaved with the harness's roof probe, so the methods and the roofs see the same machine state:
 
 ============== ============================================ ==================================================
 section        mpfused                                      anchors (all in the same run)

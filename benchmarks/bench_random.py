@@ -113,7 +113,8 @@ def main() -> None:
                             "elements_per_s": n / t.median, "GBps": bps / GB, "copy_roof_GBps": roof_bps / GB,
                             "pct_copy_roof": 100.0 * bps / roof_bps})
         del out
-    del probe
+    flush_bytes = flush.nbytes
+    del probe, flush
     machine["cpu_busy_after_run"] = cpu_busy_fraction()
     warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
 
@@ -159,7 +160,7 @@ def main() -> None:
     if path is not None:
         write_json(path, machine, roofs, records, targets=targets,
                    generator={"elements": gen_n, "timing": gen.to_dict(), "elements_per_s": gen_eps},
-                   config={"elements": n, "seed": SEED, "quick": args.quick})
+                   config={"elements": n, "seed": SEED, "quick": args.quick, "flush_bytes": flush_bytes})
         print_text(f"wrote {path}")
 
 

@@ -4,8 +4,8 @@ One iteration (gradients already in place) is timed on a param list shaped like 
 tensors with the size spread of ``bench_overflow.model_like_sizes``, 20M params on the CPU and 200M on
 CUDA, where a smaller list would time the host's per-tensor Python work rather than the kernels;
 ``--params`` and ``--tensors`` choose; ``--quick``: 1M params in 100 tensors), for an FP16 and a BF16
-model (params and grads in that dtype). Each section times its methods round-robin, interleaved with the
-harness's roof probe, so that methods and roofs see the same machine state:
+model (params and grads in that dtype). Each section times its methods in rounds (a shuffled order each
+round), interleaved with the harness's roof probe, so that methods and roofs see the same machine state:
 
 =============== =============================================== ===============================================
 method          one iteration                                   notes

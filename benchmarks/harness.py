@@ -120,18 +120,23 @@ def round_orders(n: int, rounds: int, seed: int = 0) -> list[list[int]]:
     return orders
 
 
-def last_level_cache_bytes(device: torch.device) -> int:
-    """The size of the device's last cache level: the GPU's L2, or the CPU's largest cache that sysfs
-    lists (0 where neither says)."""
+def last_level_cache_bytes(device: torch.device, sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The size of the device's last cache level: the GPU's L2, or on the CPU the total of its last level
+    over the machine (each distinct instance counted once: an EPYC has one L3 per CCD, and a threaded read
+    spreads over them all), from sysfs (0 where neither says)."""
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
-    sizes = [0]
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    levels: dict[int, dict[str, int]] = {}  # level -> {the CPUs sharing an instance: its size}
+    for index in sysfs.glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
-            sizes.append(parse_cache_size((index / "size").read_text()))
-        except OSError:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            levels.setdefault(level, {})[(index / "shared_cpu_list").read_text().strip()] = parse_cache_size(
+                (index / "size").read_text())
+        except (OSError, ValueError):
             continue
-    return max(sizes)
+    return sum(levels[max(levels)].values()) if levels else 0
 
 
 def parse_cache_size(text: str) -> int:
@@ -142,18 +147,19 @@ def parse_cache_size(text: str) -> int:
 
 class CacheFlush:
     """An untimed call for :func:`time_interleaved`'s ``flush``: reads (``x.sum()``) a buffer four times
-    the last cache level (at least 64 MB), which evicts every line an earlier call left, writing back the
+    the last cache level (at least 64 MiB, at most 2 GiB), which evicts every line an earlier call left, writing back the
     dirty ones, and leaves only clean lines behind. Each timed call then starts from the same cache
     state whatever ran before it. For callables short enough that a cache's worth of write-backs is a
     visible part of their time (tens of µs on a GPU); it reads only, so it adds no dirty lines itself."""
 
     MIN_BYTES = 64 * 2**20
+    MAX_BYTES = 2 * 2**30
     UNKNOWN_CACHE_BYTES = 256 * 2**20  # where the cache size is not known: above any L2 or L3 we expect to meet
 
     def __init__(self, device: torch.device, nbytes: Optional[int] = None) -> None:
         if nbytes is None:
             llc = last_level_cache_bytes(device)
-            nbytes = max(4 * llc, self.MIN_BYTES) if llc > 0 else self.UNKNOWN_CACHE_BYTES
+            nbytes = min(max(4 * llc, self.MIN_BYTES), self.MAX_BYTES) if llc > 0 else self.UNKNOWN_CACHE_BYTES
         self.x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         self.nbytes = self.x.numel() * 4
         self.calls = 0

@@ -77,7 +77,8 @@ def test_cache_flush_reads_a_buffer_beyond_the_last_cache_level():
     llc = h.last_level_cache_bytes(CPU)
     assert llc >= 0
     flush = h.CacheFlush(CPU)
-    expected = max(4 * llc, h.CacheFlush.MIN_BYTES) if llc > 0 else h.CacheFlush.UNKNOWN_CACHE_BYTES
+    expected = (min(max(4 * llc, h.CacheFlush.MIN_BYTES), h.CacheFlush.MAX_BYTES) if llc > 0
+                else h.CacheFlush.UNKNOWN_CACHE_BYTES)
     assert expected - 4 < flush.nbytes <= expected
     assert float(flush()) == flush.x.numel()  # a read of every element (ones)
     assert flush.calls == 1
@@ -93,3 +94,20 @@ def test_cache_sizes_from_sysfs_and_a_flush_where_none_is_known(monkeypatch):
     assert h.parse_cache_size("unknown") == 0
     monkeypatch.setattr(h, "last_level_cache_bytes", lambda device: 0)
     assert h.CacheFlush(CPU).nbytes == h.CacheFlush.UNKNOWN_CACHE_BYTES
+
+
+def test_the_cpu_last_level_is_counted_once_per_instance(tmp_path):
+    # Two CCDs of two cores: an L3 of 32 MiB each, shared within the CCD; private L2 and L1.
+    def cache(cpu, index, level, kind, size, shared):
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{value}\n")
+
+    for cpu in range(4):
+        cache(cpu, 0, 1, "Data", "48K", cpu)
+        cache(cpu, 1, 1, "Instruction", "32K", cpu)
+        cache(cpu, 2, 2, "Unified", "1024K", cpu)
+        cache(cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3")
+    assert h.last_level_cache_bytes(CPU, sysfs=tmp_path) == 64 * 2**20
+    assert h.last_level_cache_bytes(CPU, sysfs=tmp_path / "absent") == 0

@@ -311,22 +311,27 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   };
 
   const int64_t head = vec ? n / kVec * kVec : 0;
+  // Two vectors a thread in flight, for single-pass policies: the loads of an iteration cannot pass the
+  // stores of the one before (the compiler cannot tell that they do not alias), so one vector an iteration
+  // left a thread one vector's bytes in flight: 56-64 bytes, about 30 KB per SM at the two blocks per SM
+  // that AdamW's 96 registers allowed, which measured 85-87% of the copy roof on an H200. Each thread still
+  // visits its elements in the same order. A two-pass policy (LAMB) keeps one vector: it has 75-80
+  // registers, three blocks per SM, and measured 92% there; two vectors take it to 86-106 registers and
+  // two blocks per SM.
+  constexpr bool kTwoVectors = P::kNumSums == 0;
+  constexpr int64_t kStride = int64_t{kThreads} * kVec;
   if (!sr) {
-    // Two vectors a thread, both loaded before either is updated: the loads of an iteration cannot pass
-    // the stores of the one before (the compiler cannot tell that they do not alias), so one vector an
-    // iteration left a thread one vector's bytes in flight: 56-64 bytes, about 30 KB per SM at the two
-    // blocks per SM the registers allow, which measured 85-87% of the copy roof on an H200. Each thread
-    // still visits its elements in the same order (the reduce pass's sums stay bit for bit).
-    constexpr int64_t kStride = int64_t{kThreads} * kVec;
     int64_t i = int64_t{threadIdx.x} * kVec;
-    for (; i + kStride < head; i += 2 * kStride) {
-      VecIn d0, d1;
-      load_vec(i, d0);
-      load_vec(i + kStride, d1);
-      finish_vec(i, d0, nullptr);
-      finish_vec(i + kStride, d1, nullptr);
+    if constexpr (kTwoVectors) {
+      for (; i + kStride < head; i += 2 * kStride) {
+        VecIn d0, d1;
+        load_vec(i, d0);
+        load_vec(i + kStride, d1);
+        finish_vec(i, d0, nullptr);
+        finish_vec(i + kStride, d1, nullptr);
+      }
     }
-    if (i < head) {
+    for (; i < head; i += kStride) {
       VecIn d;
       load_vec(i, d);
       finish_vec(i, d, nullptr);
@@ -335,23 +340,29 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     return;
   }
   // Stochastic rounding: every thread runs every window (the barriers). Iteration w: window w + 1's loads
-  // are issued (window w's were issued in iteration w - 1: two vectors a thread in flight, as in the loop
-  // above), window w + 1's Philox blocks are computed while they are in flight, a barrier, then window w's
-  // update, which reads window w's bits. Three buffers, so that the barrier can come before the update:
-  // buffer (w + 1) % 3, filled in iteration w, was last read in iteration w - 2, before barrier w - 1,
-  // which every thread passed before iteration w (two buffers would need a barrier after the update too,
-  // and a warp could then issue no load for window w + 1 before the slowest warp had finished window w).
+  // are issued (kTwoVectors: window w's were issued in iteration w - 1, or before the loop, so two vectors a
+  // thread are in flight; otherwise window w's own), window w + 1's Philox blocks are computed while they
+  // are in flight, a barrier, then window w's update, which reads window w's bits. Three buffers, so that
+  // the barrier can come before the update: buffer (w + 1) % 3, filled in iteration w, was last read in
+  // iteration w - 2, before barrier w - 1, which every thread passed before iteration w (two buffers would
+  // need a barrier after the update too, and a warp could then issue no load for window w + 1 before the
+  // slowest warp had finished window w).
+  static_assert(kSrWindow == kStride, "a window is one vector a thread");
   uint32_t* const bufs = sr_buffers();
   const int lead = static_cast<int>(first & 7u);  // windows start at multiples of kSrWindow: all at this place
-  if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
   VecIn d;  // window w's values
-  if (int64_t{threadIdx.x} * kVec < head) load_vec(int64_t{threadIdx.x} * kVec, d);
+  if (kTwoVectors && int64_t{threadIdx.x} * kVec < head) load_vec(int64_t{threadIdx.x} * kVec, d);
+  if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
   int w = 0;
   for (int64_t base = 0; base < head; base += kSrWindow, ++w) {
     const int64_t i = base + int64_t{threadIdx.x} * kVec;
     const int64_t next = base + kSrWindow;
     VecIn d_next{};  // zero where this thread has no element in window w + 1 (then never read)
-    if (i + kSrWindow < head) load_vec(i + kSrWindow, d_next);
+    if constexpr (kTwoVectors) {
+      if (i + kSrWindow < head) load_vec(i + kSrWindow, d_next);
+    } else {
+      if (i < head) load_vec(i, d);
+    }
     if (next < head)
       sr_fill(bufs + ((w + 1) % kSrBuffers) * kSrWords, c.seed, first + static_cast<uint64_t>(next),
               head - next < kSrWindow ? head - next : kSrWindow, b.sr_s0);
@@ -363,7 +374,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       for (int e = 0; e < kVec; ++e) words[e] = sr_bits(cur, lead, threadIdx.x * kVec + e);
       finish_vec(i, d, words);
     }
-    d = d_next;
+    if constexpr (kTwoVectors) d = d_next;
   }
   if (head > 0) __syncthreads();  // the last window's reads, before buffer 0 is filled again
   // Element by element, a window of kThreads at a time; its first element need not start a block.

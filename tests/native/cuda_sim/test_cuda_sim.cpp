@@ -519,7 +519,8 @@ void optim_case(const char* name, const std::vector<double>& hyper, const std::v
 template <class P>
 void optim_policy(const char* name, const std::vector<std::vector<double>>& hypers, std::mt19937& rng) {
   const int64_t C = kCudaOptimLimits.chunk_size;
-  std::vector<std::vector<int64_t>> lists = {{1}, {0, 5, 8, 3}, {C - 1, 7, C + 1}};
+  // {3000, 5128, 1029}: chunks of 3, 6 and 2 windows of 1,024 elements (the loops take two at a time).
+  std::vector<std::vector<int64_t>> lists = {{1}, {0, 5, 8, 3}, {C - 1, 7, C + 1}, {3000, 5128, 1029}};
   if (!small_scale()) {
     lists.push_back({2 * C + 3, 0, 1});
     std::vector<int64_t> many(400);  // more than a launch's 384 tensors
