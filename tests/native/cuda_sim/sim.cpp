@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -152,6 +153,15 @@ struct Barrier {
 
 }  // namespace
 
+// What an accumulator register in flight holds (a quiet NaN with a payload of its own): read before the
+// wgmma.wait_group that retires its MMA, it turns the results into NaNs.
+const float kWgmmaPoison = [] {
+  const uint32_t bits = 0x7FDEADBEu;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}();
+
 struct Fiber {
   enum State { kReady, kWaiting, kDone };
   static constexpr size_t kStack = 1u << 20;  // kernel arguments (32 KB) are copied onto it, sanitizers pad frames
@@ -170,10 +180,19 @@ struct Fiber {
     int trans_a, trans_b;
     bool bf16;
     uint64_t hash;  // of the operands' bytes when issued
+    uint64_t seq;   // issue order within the thread
   };
   std::vector<WgmmaOp> wg_pending;
   std::vector<std::vector<WgmmaOp>> wg_groups;
   bool wg_fenced = false;
+  // The accumulators of MMAs in flight: what their registers will hold when the last MMA issued on them
+  // retires. Until then the registers hold kWgmmaPoison, so a read before the wait_group gives NaNs.
+  struct WgAcc {
+    std::vector<float> values;
+    uint64_t last_seq;
+  };
+  std::map<float*, WgAcc> wg_acc;
+  uint64_t wg_seq = 0;
   bool proxy_dirty = false;  // cp.async copies landed with no fence.proxy.async after them
 #if MPF_SIM_TSAN
   void* tsan = nullptr;
@@ -499,8 +518,23 @@ void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans
   // Conservative: any thread's landed copies, not only those under this MMA's operands.
   if (tctx->block->proxy_dirty != 0)
     trap("wgmma.mma_async after cp.async copies that landed with no fence.proxy.async (the async proxy may not see them)");
+  // The accumulators in flight stay with the MMAs: an MMA on registers that an earlier one still owns takes
+  // that one's result as its input (the PTX ISA orders accumulator accesses between MMAs of one shape), and
+  // the registers must still hold the poison: anything else means the thread wrote them meanwhile.
+  const size_t regs = static_cast<size_t>(n / 2);
+  auto held = f.wg_acc.find(d);
+  if (held != f.wg_acc.end()) {
+    if (held->second.values.size() != regs) trap("wgmma: accumulator registers in flight reused with another shape");
+    for (size_t i = 0; i < regs; ++i)
+      if (std::memcmp(&d[i], &kWgmmaPoison, sizeof(float)) != 0)
+        trap("accumulator registers written while a wgmma.mma_async that writes them is in flight");
+    std::memcpy(d, held->second.values.data(), regs * sizeof(float));
+  }
   const uint64_t hash = wgmma_operands(d, n, desc_a, desc_b, trans_a, trans_b, bf16, tctx->linear % 128);
-  f.wg_pending.push_back(Fiber::WgmmaOp{d, n, desc_a, desc_b, trans_a, trans_b, bf16, hash});
+  const uint64_t seq = f.wg_seq++;
+  f.wg_acc[d] = Fiber::WgAcc{std::vector<float>(d, d + regs), seq};
+  for (size_t i = 0; i < regs; ++i) d[i] = kWgmmaPoison;
+  f.wg_pending.push_back(Fiber::WgmmaOp{d, n, desc_a, desc_b, trans_a, trans_b, bf16, hash, seq});
 }
 
 void wgmma_commit() {
@@ -519,6 +553,15 @@ void wgmma_wait(int pending) {
       for (const Fiber::WgmmaOp& op : f.wg_groups[g])
         if (wgmma_operands(nullptr, op.n, op.desc_a, op.desc_b, op.trans_a, op.trans_b, op.bf16, tctx->linear % 128) != op.hash)
           trap("a wgmma's shared-memory operands changed before the wgmma.wait_group that retires it");
+    // The registers of the retired MMAs that no MMA still in flight writes get their results.
+    for (size_t g = 0; g < retire; ++g)
+      for (const Fiber::WgmmaOp& op : f.wg_groups[g]) {
+        auto held = f.wg_acc.find(op.d);
+        if (held != f.wg_acc.end() && held->second.last_seq == op.seq) {
+          std::memcpy(op.d, held->second.values.data(), held->second.values.size() * sizeof(float));
+          f.wg_acc.erase(held);
+        }
+      }
     f.wg_groups.erase(f.wg_groups.begin(), f.wg_groups.begin() + static_cast<std::ptrdiff_t>(retire));
   }
   f.wg_fenced = false;  // the accumulators are the thread's again: the next MMA needs a fence
@@ -610,6 +653,7 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       f.cp_groups.clear();
       f.wg_pending.clear();
       f.wg_groups.clear();
+      f.wg_acc.clear();
       f.wg_fenced = false;
       f.proxy_dirty = false;
     }

@@ -193,7 +193,9 @@ const unsigned char* shared_at(uint32_t addr, size_t bytes);
 // done when issued, its operands' bytes remembered and checked unchanged when a wgmma.wait_group retires it; the
 // thread must have run wgmma.fence since it last waited (or since it started), and every thread of the block
 // that had cp.async copies land must have run fence.proxy.async since (the copies write through the generic
-// proxy, wgmma reads through the async one).
+// proxy, wgmma reads through the async one). The results reach the accumulator registers when the wait_group
+// that retires the last MMA issued on them runs: until then they hold a NaN, so a read before it shows in the
+// results, and a write to them traps at the next MMA on them (which takes the earlier MMA's result as input).
 void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans_a, int trans_b, bool bf16);
 void wgmma_fence();
 void wgmma_commit();
