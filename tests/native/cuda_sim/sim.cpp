@@ -217,6 +217,16 @@ struct BlockState {
   bool trapped = false;
   unsigned proxy_dirty = 0;  // threads whose landed cp.async copies no fence.proxy.async has followed
   std::string trap_message;
+  // The k-th wgmma.mma_async of each warpgroup (warpgroup, k): a warpgroup-wide instruction, so all 128
+  // threads must issue it, with the same shape and descriptors.
+  struct WgIssue {
+    int n;
+    uint64_t desc_a, desc_b;
+    int trans_a, trans_b;
+    bool bf16;
+    unsigned threads;
+  };
+  std::map<std::pair<unsigned, uint64_t>, WgIssue> wg_issued;
 };
 
 namespace {
@@ -532,6 +542,13 @@ void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans
   }
   const uint64_t hash = wgmma_operands(d, n, desc_a, desc_b, trans_a, trans_b, bf16, tctx->linear % 128);
   const uint64_t seq = f.wg_seq++;
+  auto [issue, first] = tctx->block->wg_issued.try_emplace({tctx->linear / 128, seq},
+                                                           BlockState::WgIssue{n, desc_a, desc_b, trans_a, trans_b, bf16, 0});
+  const BlockState::WgIssue& w = issue->second;
+  if (!first && (w.n != n || w.desc_a != desc_a || w.desc_b != desc_b || w.trans_a != trans_a || w.trans_b != trans_b ||
+                 w.bf16 != bf16))
+    trap("wgmma: the threads of a warpgroup issued one wgmma.mma_async with different shapes or descriptors");
+  ++issue->second.threads;
   f.wg_acc[d] = Fiber::WgAcc{std::vector<float>(d, d + regs), seq};
   for (size_t i = 0; i < regs; ++i) d[i] = kWgmmaPoison;
   f.wg_pending.push_back(Fiber::WgmmaOp{d, n, desc_a, desc_b, trans_a, trans_b, bf16, hash, seq});
@@ -654,6 +671,7 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       f.wg_pending.clear();
       f.wg_groups.clear();
       f.wg_acc.clear();
+      f.wg_seq = 0;
       f.wg_fenced = false;
       f.proxy_dirty = false;
     }
@@ -690,6 +708,13 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
 #if MPF_SIM_TSAN
     __tsan_acquire(&block_end);
 #endif
+    for (const auto& [key, issue] : b.wg_issued)
+      if (!b.trapped && issue.threads != 128) {
+        b.trapped = true;
+        b.trap_message = "wgmma: " + std::to_string(issue.threads) + " of warpgroup " + std::to_string(key.first) +
+                         "'s 128 threads issued its wgmma.mma_async number " + std::to_string(key.second) +
+                         " (a warpgroup-wide instruction)";
+      }
     if (b.trapped) {
       std::fprintf(stderr, "cuda-sim: block (%u, %u, %u) trapped: %s\n", blockIdx.x, blockIdx.y, blockIdx.z, b.trap_message.c_str());
       last_error = cudaErrorLaunchFailure;
