@@ -100,10 +100,11 @@ EOF
 # precision modes, every kernel family once). Left out, because `make test` already ran them on the same
 # CPU code and here they would only repeat it at length: the CPU-path matrix (test_cpu_isa), the large
 # optimizer and GEMM grids (test_optim, test_gemm), the multi-process runs (test_distributed,
-# test_scaler_distributed, test_dcp, test_fsdp2_example) and the GPU script's own checks (its stages and
-# its profile summary, which imports the benchmarks package of the source tree).
+# test_scaler_distributed, test_dcp, test_fsdp2_example), the GPU script's own checks (its stages and its
+# profile summary) and the benchmark harness's timing loop: these import the benchmarks package of the
+# source tree, which the install does not carry.
 SKIP_REPEATS=(test_cpu_isa.py test_optim.py test_gemm.py test_distributed.py test_scaler_distributed.py test_dcp.py
-              test_fsdp2_example.py test_gpu_check_script.py test_profile_kernels.py)
+              test_fsdp2_example.py test_gpu_check_script.py test_profile_kernels.py test_bench_harness.py)
 # (CUDA_VISIBLE_DEVICES empty: on a machine with a GPU of another arch than INSTALL_ARCHS, its CUDA cases
 # would find no kernel image; this check is about the CPU side of the CUDA build.)
 CUDA_VISIBLE_DEVICES= "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${SKIP_REPEATS[@]/#/--ignore=$WORK/tests/}" "$WORK/tests"
