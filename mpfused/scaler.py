@@ -29,6 +29,7 @@ below). With a fused optimizer a whole iteration compiles with ``fullgraph=True`
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import abc, defaultdict
 from typing import Any, Optional
@@ -51,8 +52,10 @@ _CUDA_KERNELS = _ops.has_cuda_kernels()
 
 def _fresh_clip_state() -> dict:
     """mpfused's per-optimizer extras (a top-level factory so that the scaler pickles): the sum of
-    squares of the unscaled gradients and max_norm recorded by clip_grad_norm_ on the fused path."""
-    return {"sumsq": None, "max_norm": None}
+    squares of the unscaled gradients and max_norm recorded by clip_grad_norm_ on the fused path, and
+    whether clip_grad_norm_ unscaled the gradients itself (any other optimizer: an unscale_() after it
+    then has nothing left to do)."""
+    return {"sumsq": None, "max_norm": None, "unscaled": False}
 
 
 def _fresh_optimizer_state() -> dict:
@@ -87,35 +90,67 @@ def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
-def _check_int(name: str, value, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or value > 2**31 - 1:
-        raise ValueError(f"{name} must be an integer in [{lo}, 2**31 - 1], got {value!r}")
+def _number(name: str, value, what: str) -> float:
+    """``value`` as a Python float: an int, a float, a numpy scalar or a one-element real tensor (what a
+    checkpoint or a config may hold; torch's scaler takes them too). A bool (numpy's too: not a
+    numbers.Real), NaN or anything else is a ValueError naming ``name``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
 
 
-def _check_scale(name: str, value) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and 0.0 < value <= _FLT_MAX):
-        raise ValueError(f"{name} must be a finite number in (0, {_FLT_MAX:g}] (a float32 scale), got {value!r}")
+def _check_int(name: str, value, lo: int, hi: int = 2**31 - 1, hi_text: str = "2**31 - 1") -> int:
+    """``value`` as a Python int in [lo, hi]: an int, a numpy integer, an integral float (3.0, as a JSON
+    checkpoint holds it) or a one-element tensor of one; else a ValueError naming ``name``."""
+    what = f"an integer in [{lo}, {hi_text}]"
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        v = int(value)
+    else:
+        f = _number(name, value, what)
+        v = int(f) if f.is_integer() else None
+    if v is None or not lo <= v <= hi:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
 
 
-def _check_factors(growth_factor, backoff_factor) -> None:
-    """torch's rule (growth_factor > 1, backoff_factor < 1, as AssertionErrors with torch's texts); a
-    non-number or NaN, which torch lets through to a NaN scale, is a ValueError here."""
-    for name, v in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-            raise ValueError(f"{name} must be a number, got {v!r}")
-    if growth_factor <= 1.0:
+def _check_scale(name: str, value) -> float:
+    what = f"a finite number in (0, {_FLT_MAX:g}] (a float32 scale)"
+    v = _number(name, value, what)
+    if not (math.isfinite(v) and 0.0 < v <= _FLT_MAX):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
+
+
+def _check_factors(growth_factor, backoff_factor, names=("growth_factor", "backoff_factor")) -> tuple:
+    """torch's rule (growth_factor > 1, backoff_factor < 1, as AssertionErrors with torch's texts), and
+    backoff_factor > 0, which torch does not check: 0 takes the scale to 0 at the first overflow (every
+    later gradient is then 0 * inf = NaN), and a negative one makes it negative. A non-number or NaN, which
+    torch lets through to a NaN scale, is a ValueError here. Returns both as floats."""
+    growth = _number(names[0], growth_factor, "a number > 1")
+    backoff = _number(names[1], backoff_factor, "a number in (0, 1)")
+    if growth <= 1.0:
         raise AssertionError("The growth factor must be > 1.0.")
-    if backoff_factor >= 1.0:
+    if backoff >= 1.0:
         raise AssertionError("The backoff factor must be < 1.0.")
+    if backoff <= 0.0:
+        raise ValueError(f"{names[1]} must be a number in (0, 1) (the scale is multiplied by it on an overflow), "
+                         f"got {backoff_factor!r}")
+    return growth, backoff
 
 
-def _check_clamp(name: str, value) -> None:
+def _check_clamp(name: str, value) -> Optional[float]:
     if value is None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if not (ok and value >= 0.0):
-        raise ValueError(f"{name} must be None (no clamp) or a number >= 0, got {value!r}")
+        return None
+    what = "None (no clamp) or a number >= 0"
+    v = _number(name, value, what)
+    if not v >= 0.0:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -144,14 +179,17 @@ class GradScaler(torch.amp.GradScaler):
                  hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
                  dynamic: bool = True, process_group=None, grad_sharding: Optional[str] = None,
                  device_mesh=None) -> None:
-        device = torch.device(device).type  # torch keeps the device type; the scale lives on the loss's device
-        if enabled:
-            _check_factors(growth_factor, backoff_factor)
-            _check_scale("init_scale", init_scale)
-            _check_int("growth_interval", growth_interval, 1)
-        _check_int("hysteresis", hysteresis, 1)
-        _check_clamp("min_scale", min_scale)
-        _check_clamp("max_scale", max_scale)
+        try:
+            device = torch.device(device).type  # torch keeps the device type; the scale lives on the loss's device
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be a device type such as 'cuda' or 'cpu', got {device!r} ({e})") from None
+        if enabled:  # numbers as Python floats and ints (numpy scalars and one-element tensors are taken)
+            growth_factor, backoff_factor = _check_factors(growth_factor, backoff_factor)
+            init_scale = _check_scale("init_scale", init_scale)
+            growth_interval = _check_int("growth_interval", growth_interval, 1)
+        hysteresis = _check_int("hysteresis", hysteresis, 1)
+        min_scale = _check_clamp("min_scale", min_scale)
+        max_scale = _check_clamp("max_scale", max_scale)
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
         if enabled and dynamic and not ((min_scale or 0.0) <= init_scale <= (math.inf if max_scale is None else max_scale)):
@@ -190,6 +228,7 @@ class GradScaler(torch.amp.GradScaler):
     # ---- device state ---------------------------------------------------------------------------------
     def _reset_device_extras(self) -> None:
         self._inv_scale: Optional[torch.Tensor] = None
+        self._inv_of: Optional[tuple] = None  # (the _scale tensor, its version) that _inv_scale is 1 over
         self._hysteresis_left: Optional[torch.Tensor] = None
         self._skipped_steps: Optional[torch.Tensor] = None
         # the zeroed counters the overflow kernel borrows for its last-block reduction and leaves zeroed (one
@@ -215,13 +254,28 @@ class GradScaler(torch.amp.GradScaler):
         return self._scale, self._growth_tracker
 
     def _device_extras(self) -> torch.device:
-        """Creates mpfused's device state next to ``_scale`` (also when a framework set ``_scale`` itself)."""
+        """Creates mpfused's device state next to ``_scale`` (also when a framework set ``_scale`` itself),
+        and keeps ``_inv_scale`` = 1 / ``_scale``: code that writes ``_scale`` (``scaler._scale.fill_(s)``
+        to cap or reset the scale, or a new tensor in its place) changes what unscale_ and step divide by,
+        as with torch's scaler, which computes 1 / scale at each unscale_. Checked by the tensor's identity
+        and version counter (no device work unless they changed; our own writes note the new version)."""
         dev = self._scale.device
         if self._inv_scale is None or self._inv_scale.device != dev:
             self._inv_scale = self._scale.double().reciprocal().float()
             self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
             self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+            self._note_scale()
+        elif not torch.compiler.is_compiling() and (
+                (of := getattr(self, "_inv_of", None)) is None or of[0] is not self._scale or of[1] != self._scale._version):
+            self._inv_scale.copy_(self._scale.double().reciprocal())
+            self._note_scale()
         return dev
+
+    def _note_scale(self) -> None:
+        """Records that ``_inv_scale`` is 1 / ``_scale`` as it stands (after a write of both by us). A traced
+        step (torch.compile) neither checks nor records: the first eager call after it recomputes."""
+        if not torch.compiler.is_compiling():
+            self._inv_of = (self._scale, self._scale._version)
 
     def _ready(self, funcname: str) -> torch.device:
         self._check_scale_growth_tracker(funcname)
@@ -462,11 +516,16 @@ class GradScaler(torch.amp.GradScaler):
             return
         self._ready("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
+        clip = self._mpf_clip_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED and clip["unscaled"]:
+            # clip_grad_norm_ unscaled them (an optimizer without the fused clip): the order that works with
+            # the fused optimizers (clip_grad_norm_, then unscale_) works with every optimizer
+            clip["unscaled"] = False
+            return
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        clip = self._mpf_clip_states[id(optimizer)]
         inv = self._inv_scale
         if clip["max_norm"] is not None:
             inv = inv * self._clip_coef(clip["sumsq"], clip["max_norm"])
@@ -512,6 +571,7 @@ class GradScaler(torch.amp.GradScaler):
                 return norm
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
+                clip["unscaled"] = True
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         sharded = self._device_mesh is not None or any(_dist.is_dtensor(p.grad) for p in params)
         if self._process_group is None and (not sharded or norm_type != 2.0):
@@ -578,9 +638,9 @@ class GradScaler(torch.amp.GradScaler):
                     raise AssertionError(reason)
                 _scale.copy_(new_scale.reshape(()))
             else:
-                _check_scale("new_scale", new_scale)
-                _scale.fill_(float(new_scale))
+                _scale.fill_(_check_scale("new_scale", new_scale))
             self._inv_scale.copy_(_scale.double().reciprocal())
+            self._note_scale()
         else:
             found = [copy_to(f, home) for s in self._per_optimizer_states.values()
                      for f in s["found_inf_per_device"].values()]
@@ -594,6 +654,7 @@ class GradScaler(torch.amp.GradScaler):
                                     backoff_factor=self._backoff_factor, growth_interval=self._growth_interval,
                                     hysteresis=self._hysteresis, min_scale=self._min_scale,
                                     max_scale=self._max_scale, dynamic=self._dynamic)
+            self._note_scale()
             self._last_found_inf = combined
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._mpf_clip_states = defaultdict(_fresh_clip_state)
@@ -630,16 +691,13 @@ class GradScaler(torch.amp.GradScaler):
         return self._hysteresis
 
     def set_growth_factor(self, new_factor: float) -> None:
-        _check_factors(new_factor, self._backoff_factor)
-        self._growth_factor = new_factor
+        self._growth_factor = _check_factors(new_factor, self._backoff_factor, ("new_factor", "backoff_factor"))[0]
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        _check_factors(self._growth_factor, new_factor)
-        self._backoff_factor = new_factor
+        self._backoff_factor = _check_factors(self._growth_factor, new_factor, ("growth_factor", "new_factor"))[1]
 
     def set_growth_interval(self, new_interval: int) -> None:
-        _check_int("growth_interval", new_interval, 1)
-        self._growth_interval = new_interval
+        self._growth_interval = _check_int("new_interval", new_interval, 1)
 
     # ---- state dict and pickling -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -664,28 +722,26 @@ class GradScaler(torch.amp.GradScaler):
                    if k not in state_dict]
         if missing:
             raise KeyError(f"state_dict lacks the GradScaler keys {missing}")
+        # validated and made Python numbers (a checkpoint may hold tensors or numpy scalars, as torch allows)
         sd = dict(state_dict)
-        _check_scale("state_dict['scale']", sd["scale"])
-        _check_factors(sd["growth_factor"], sd["backoff_factor"])
-        _check_int("state_dict['growth_interval']", sd["growth_interval"], 1)
-        _check_int("state_dict['_growth_tracker']", sd["_growth_tracker"], 0)
-        hysteresis = sd.get("hysteresis", self._hysteresis)
-        _check_int("state_dict['hysteresis']", hysteresis, 1)
-        left = sd.get("_hysteresis_left", hysteresis)
-        _check_int("state_dict['_hysteresis_left']", left, 1)
+        sd["scale"] = _check_scale("state_dict['scale']", sd["scale"])
+        sd["growth_factor"], sd["backoff_factor"] = _check_factors(
+            sd["growth_factor"], sd["backoff_factor"], ("state_dict['growth_factor']", "state_dict['backoff_factor']"))
+        sd["growth_interval"] = _check_int("state_dict['growth_interval']", sd["growth_interval"], 1)
+        sd["_growth_tracker"] = _check_int("state_dict['_growth_tracker']", sd["_growth_tracker"], 0)
+        hysteresis = _check_int("state_dict['hysteresis']", sd.get("hysteresis", self._hysteresis), 1)
+        left = _check_int("state_dict['_hysteresis_left']", sd.get("_hysteresis_left", hysteresis), 1)
         if left > hysteresis:
             raise ValueError(f"state_dict['_hysteresis_left'] ({left}) must not exceed hysteresis ({hysteresis})")
-        min_scale, max_scale = sd.get("min_scale", self._min_scale), sd.get("max_scale", self._max_scale)
-        _check_clamp("state_dict['min_scale']", min_scale)
-        _check_clamp("state_dict['max_scale']", max_scale)
+        min_scale = _check_clamp("state_dict['min_scale']", sd.get("min_scale", self._min_scale))
+        max_scale = _check_clamp("state_dict['max_scale']", sd.get("max_scale", self._max_scale))
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"state_dict['min_scale'] ({min_scale}) exceeds state_dict['max_scale'] ({max_scale})")
         dynamic = sd.get("dynamic", self._dynamic)
         if not isinstance(dynamic, bool):
             raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
-        skipped = sd.get("_skipped_steps", self.skipped_steps)
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise ValueError(f"state_dict['_skipped_steps'] must be an integer >= 0, got {skipped!r}")
+        skipped = _check_int("state_dict['_skipped_steps']", sd.get("_skipped_steps", self.skipped_steps), 0,
+                             2**63 - 1, "2**63 - 1")
         # every value is valid: write
         super().load_state_dict(sd)
         self._hysteresis, self._init_hysteresis_left = hysteresis, left
@@ -693,8 +749,7 @@ class GradScaler(torch.amp.GradScaler):
         self._max_scale = None if max_scale is None else float(max_scale)
         self._dynamic, self._init_skipped_steps = dynamic, skipped
         if self._scale is not None:
-            self._device_extras()
-            self._inv_scale.copy_(self._scale.double().reciprocal())
+            self._device_extras()  # 1 / the loaded scale
             self._hysteresis_left.fill_(left)
             self._skipped_steps.fill_(skipped)
 
@@ -703,7 +758,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_left"] = self.state_dict()["_hysteresis_left"]
             state["_init_skipped_steps"] = self.skipped_steps
-        for key in ("_inv_scale", "_hysteresis_left", "_skipped_steps", "_last_found_inf"):
+        for key in ("_inv_scale", "_inv_of", "_hysteresis_left", "_skipped_steps", "_last_found_inf"):
             state[key] = None
         state["_counters"] = {}
         return state

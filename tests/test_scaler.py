@@ -221,6 +221,11 @@ def test_scale_handles_nested_outputs(device):
     (dict(growth_factor=float("nan")), "growth_factor"),
     (dict(init_scale=-1.0), "init_scale"),
     (dict(growth_interval=0), "growth_interval"),
+    (dict(growth_interval=2.5), "growth_interval"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(backoff_factor=-0.5), "backoff_factor"),
+    (dict(init_scale=True), "init_scale"),
+    (dict(init_scale="8"), "init_scale"),
     (dict(hysteresis=0), "hysteresis"),
     (dict(min_scale=4.0, max_scale=2.0), "min_scale"),
     (dict(init_scale=2.0**30, max_scale=2.0**24), r"init_scale .* must lie in"),
@@ -230,6 +235,97 @@ def test_scale_handles_nested_outputs(device):
 def test_invalid_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mpfused.GradScaler("cpu", **kwargs)
+
+
+def test_setters_validate_and_name_the_argument():
+    with pytest.raises(ValueError, match="device must be a device type"):
+        mpfused.GradScaler("foo")
+    scaler = mpfused.GradScaler("cpu")
+    for setter, bad in [(scaler.set_backoff_factor, 0.0), (scaler.set_backoff_factor, -1.0),
+                        (scaler.set_growth_factor, float("nan")), (scaler.set_growth_interval, 0)]:
+        with pytest.raises(ValueError, match="new_"):
+            setter(bad)
+    assert (scaler.get_backoff_factor(), scaler.get_growth_factor(), scaler.get_growth_interval()) == (0.5, 2.0, 2000)
+
+
+def test_numbers_torch_takes_are_taken(device):
+    """numpy scalars, one-element tensors and integral floats (a checkpoint or a config may hold them; torch's
+    scaler takes them): stored as Python numbers, and the scaler runs as with plain ones."""
+    np = pytest.importorskip("numpy")
+    odd = mpfused.GradScaler(device, init_scale=np.float32(1024.0), growth_factor=torch.tensor(2.0),
+                             backoff_factor=np.float64(0.5), growth_interval=np.int64(2), hysteresis=np.int32(1))
+    plain = mpfused.GradScaler(device, init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    assert type(odd._init_scale) is float and type(odd._growth_interval) is int
+    assert run_pattern(odd, PATTERN, device) == run_pattern(plain, PATTERN, device)
+    sd = dict(plain.state_dict(), scale=torch.tensor(plain.get_scale()), growth_interval=3.0,
+              _growth_tracker=torch.tensor(1), backoff_factor=np.float32(0.25), _skipped_steps=np.int64(4))
+    odd.load_state_dict(sd)
+    got = odd.state_dict()
+    assert got["scale"] == plain.get_scale() and got["growth_interval"] == 3 and got["_growth_tracker"] == 1
+    assert got["backoff_factor"] == 0.25 and odd.skipped_steps == 4
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, FusedSGD])
+@pytest.mark.parametrize("write", ["fill_", "new tensor"])
+def test_a_scale_written_from_outside_is_the_one_unscaled_by(device, cls, write):
+    """Code that writes ``_scale`` (a cap, a reset after NaNs: ``scaler._scale.fill_(s)``) changes what the
+    gradients are divided by, as with torch's scaler; both scalers must leave the same grads and params."""
+    results = []
+    for scaler_cls in (torch.amp.GradScaler, mpfused.GradScaler):
+        p = torch.nn.Parameter(torch.ones(3, device=device))
+        opt = cls([p], lr=0.1)
+        scaler = scaler_cls(device, init_scale=1024.0)
+        grads = []
+        for it in range(3):
+            opt.zero_grad()
+            if it == 1:
+                if write == "fill_":
+                    scaler._scale.fill_(8.0)
+                else:
+                    scaler._scale = torch.full((), 8.0, device=device)
+            scaler.scale((p * torch.tensor([1.0, 2.0, 3.0], device=device)).sum()).backward()
+            scaler.unscale_(opt)
+            grads.append(p.grad.tolist())
+            scaler.step(opt)
+            scaler.update()
+        results.append((grads, p.tolist(), scaler.get_scale()))
+    assert results[0] == results[1]
+    assert results[1][0] == [[1.0, 2.0, 3.0]] * 3
+
+
+def test_unscale_after_clip_grad_norm_works_with_every_optimizer(device):
+    """clip_grad_norm_ then unscale_ (the order the fused clip allows) also with torch's optimizers, whose
+    gradients clip_grad_norm_ unscales itself: unscale_ then has nothing left to do. A second unscale_
+    still raises, as torch's does."""
+    for cls in (torch.optim.SGD, FusedSGD):
+        p = torch.nn.Parameter(torch.ones(4, device=device))
+        opt = cls([p], lr=0.1)
+        scaler = mpfused.GradScaler(device, init_scale=64.0)
+        scaler.scale((p * 3.0).sum()).backward()
+        norm = scaler.clip_grad_norm_(opt, 1.0)
+        scaler.unscale_(opt)
+        assert norm.item() == pytest.approx(6.0)
+        assert p.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-5), cls
+        with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        assert p.tolist() == pytest.approx([0.95] * 4, rel=1e-6), cls
+
+
+def test_torch_scaler_drives_a_fused_optimizer_without_grads(device):
+    """torch.amp.GradScaler hands a fused optimizer found_inf = sum([]) = 0 (an int) when no param has a
+    grad (a frozen branch, a second optimizer unused this iteration): a step that does nothing, as torch's
+    fused optimizers take it."""
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    used = torch.nn.Parameter(torch.ones(2, device=device))
+    idle, busy = FusedSGD([p], lr=0.1), FusedSGD([used], lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=4.0)
+    scaler.scale(used.sum()).backward()
+    scaler.step(idle)
+    scaler.step(busy)
+    scaler.update()
+    assert p.tolist() == [1.0, 1.0] and used.tolist() == pytest.approx([0.9, 0.9])
 
 
 # ---- drop-in: what frameworks check, read and call -----------------------------------------------------
@@ -349,7 +445,8 @@ def test_load_state_dict_validates_everything_first(device):
     for key, bad in [("scale", float("nan")), ("scale", -1.0), ("scale", 0.0), ("scale", float("inf")),
                      ("growth_factor", 1.0), ("backoff_factor", 1.0), ("growth_interval", 0),
                      ("_growth_tracker", -1), ("hysteresis", 0), ("_hysteresis_left", 0), ("_hysteresis_left", 3),
-                     ("min_scale", -1.0), ("dynamic", "yes"), ("_skipped_steps", -2)]:
+                     ("min_scale", -1.0), ("dynamic", "yes"), ("_skipped_steps", -2), ("backoff_factor", 0.0),
+                     ("growth_interval", 2.5), ("scale", "8"), ("_growth_tracker", torch.ones(2))]:
         sd = dict(good, **{key: bad})
         with pytest.raises((ValueError, AssertionError)):
             scaler.load_state_dict(sd)

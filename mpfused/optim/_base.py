@@ -844,6 +844,11 @@ class FusedOptimizer(Optimizer):
         if scaling is None:
             # torch.amp.GradScaler's protocol: the scale S itself and the summed found_inf, set around step()
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            if _is_real(found_inf):
+                # torch's scaler sums the per-device flags; with no grads at all that sum is the int 0
+                if found_inf:
+                    return loss  # a host-side overflow flag: the step is skipped
+                found_inf = None
             scaling = (_NO_SCALING if grad_scale is None and found_inf is None
                        else StepScaling(grad_scale=grad_scale, found_inf=found_inf))
         elif not isinstance(scaling, StepScaling):
