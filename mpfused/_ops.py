@@ -705,7 +705,18 @@ def activation_backward(grad: torch.Tensor, act_input: torch.Tensor, activation:
     for the sum fused after it, rounds differently from eager's kernels (torch 2.11 on CPU: the bias
     gradient of a FusedLinear with a GELU differed in every one of 200 random cases), and a compiled
     training step would then not be eager's bit for bit."""
+    _check_activation_backward(grad, act_input, activation, grad_pre)
     return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
+
+
+def _check_activation_backward(grad, act_input, activation, grad_pre) -> None:
+    """The operator's arguments (the eager backward, which calls _activation_backward_eager, makes them
+    itself)."""
+    if activation not in ("relu", *_GELU_APPROXIMATE):
+        raise ValueError(f"activation must be 'relu', 'gelu' or 'gelu_erf', got {activation!r}")
+    for name, t in (("act_input", act_input), ("grad_pre", grad_pre)):
+        if t is not None and t.shape != grad.shape:
+            raise ValueError(f"{name} must have grad's shape {tuple(grad.shape)}, got {tuple(t.shape)}")
 
 
 def _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype):
@@ -725,11 +736,7 @@ def _bias_grad_eager(grad, bias_dtype):
 
 @activation_backward.register_fake
 def _activation_backward_fake(grad, act_input, activation, grad_pre, bias_dtype):
-    if activation not in ("relu", *_GELU_APPROXIMATE):
-        raise ValueError(f"activation must be 'relu', 'gelu' or 'gelu_erf', got {activation!r}")
-    for name, t in (("act_input", act_input), ("grad_pre", grad_pre)):
-        if t is not None and t.shape != grad.shape:
-            raise ValueError(f"{name} must have grad's shape {tuple(grad.shape)}, got {tuple(t.shape)}")
+    _check_activation_backward(grad, act_input, activation, grad_pre)
     # the operator's own code on fake tensors: torch's kernels' meta functions give its strides and dtypes
     return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
 

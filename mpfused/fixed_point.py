@@ -32,6 +32,7 @@ activations and gradients are held in fixed point (see ``examples/fixed_point_gu
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
@@ -199,9 +200,24 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
 
     The int64 sum must be exact: ``wl_a + wl_b + ceil(log2 K) <= 64`` (K products of at most
     ``2^(wl_a + wl_b - 2)`` stay within 2^62), else ValueError. Codes must be int16/int32 tensors wide
-    enough for their formats, on one device."""
+    enough for their formats, on one device, and lie in their formats' ranges (``code_min`` to
+    ``code_max``): a ValueError otherwise, which on CUDA costs one read of a flag by the host (not checked
+    under torch.compile); a code beyond its format could overflow the int64 sum."""
     fa, fb, fo = _as_format(fmt_a, "fmt_a"), _as_format(fmt_b, "fmt_b"), _as_format(fmt_out, "fmt_out")
     a_codes, b_codes = _tensor(a_codes, "a_codes"), _tensor(b_codes, "b_codes")
+    for name, codes, f in (("a_codes", a_codes, fa), ("b_codes", b_codes, fb)):
+        if (codes.dtype in _CODE_DTYPES and codes.numel() and codes.device.type != "meta"
+                and not torch.compiler.is_compiling()):
+            lo, hi = torch.stack(codes.aminmax()).tolist()  # (one read)
+            if lo < f.code_min or hi > f.code_max:
+                raise ValueError(f"{name} must hold codes of {f}, in [{f.code_min}, {f.code_max}]; got values in "
+                                 f"[{lo}, {hi}]")
+    return _matmul_codes(a_codes, b_codes, fa, fb, fo, rounding, seed, offset)
+
+
+def _matmul_codes(a_codes, b_codes, fa, fb, fo, rounding, seed, offset) -> torch.Tensor:
+    """matmul without the range check of the codes (FixedPointLinear's come from encode; its bias column
+    holds 1.0, which a format with il = 1 cannot, and which the int64 bound still covers)."""
     stochastic = _rounding(rounding)
     seed = _ops.check_u64(seed, "seed")
     numel = a_codes.shape[0] * b_codes.shape[-1] if a_codes.dim() == 2 and b_codes.dim() == 2 else 0
@@ -244,7 +260,7 @@ class _FixedPointLinearFn(torch.autograd.Function):
             one = torch.full((xc.shape[0], 1), 1 << fmt.fl, dtype=xc.dtype, device=xc.device)
             xc = torch.cat([xc, one], 1)
             wc = torch.cat([wc, encode(bias.detach(), fmt.il, fmt.fl)[:, None]], 1)
-        yc = matmul(xc, wc.t(), fmt, fmt, fmt, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 1))
+        yc = _matmul_codes(xc, wc.t(), fmt, fmt, fmt, rounding, _derive_seed(seed, _LAYER, call, 1), 0)
         # Where a saturation clamped (the input outside fmt's range, an output at its ends), the gradient
         # is the clamp's: zero.
         x_clamped = (x2 < fmt.min) | (x2 > fmt.max)
@@ -262,11 +278,11 @@ class _FixedPointLinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             w_only = wc[:, :-1] if has_bias else wc
-            gx = matmul(gc, w_only, gfmt, fmt, gfmt, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 3))
+            gx = _matmul_codes(gc, w_only, gfmt, fmt, gfmt, rounding, _derive_seed(seed, _LAYER, call, 3), 0)
             grad_x = decode(gx, gfmt.il, gfmt.fl).masked_fill_(x_clamped, 0.0).reshape(x_shape)
         if ctx.needs_input_grad[1] or (has_bias and ctx.needs_input_grad[2]):
-            gw = decode(matmul(gc.t(), xc, gfmt, fmt, gfmt, rounding=rounding,
-                               seed=_derive_seed(seed, _LAYER, call, 4)), gfmt.il, gfmt.fl)
+            gw = decode(_matmul_codes(gc.t(), xc, gfmt, fmt, gfmt, rounding, _derive_seed(seed, _LAYER, call, 4), 0),
+                        gfmt.il, gfmt.fl)
             if has_bias:
                 grad_w, grad_b = gw[:, :-1].contiguous(), gw[:, -1].contiguous()
             else:
@@ -312,6 +328,9 @@ class FixedPointLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"input must be a tensor of shape (..., in_features={self.in_features}), got {got}")
         y = _FixedPointLinearFn.apply(x, self.weight, self.bias, self)
         self.calls += 1
         return y
@@ -342,17 +361,27 @@ class FixedPointSGD(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float, fmt: FormatLike, rounding: str = "stochastic", seed: int = 0,
                  momentum: float = 0.0):
-        fmt = _as_format(fmt, "fmt")
+        defaults = dict(lr=lr, fmt=fmt, rounding=rounding, seed=seed, momentum=momentum)
+        self._check_group(defaults)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_group(group: dict, where: str = "") -> FixedPointFormat:
+        """Validates a param group's values and makes them plain ((il, fl), floats, an int seed); returns
+        its format. step() checks every group before it writes any param (code may edit a group)."""
+        fmt = _as_format(group["fmt"] if not isinstance(group["fmt"], list) else tuple(group["fmt"]), "fmt" + where)
         if fmt.wl > 24:
-            raise ValueError(f"fmt {fmt} has il + fl > 24: its values are not exact in float32 params")
-        _rounding(rounding)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        seed = _ops.check_u64(seed, "seed")
-        super().__init__(params, dict(lr=float(lr), fmt=(fmt.il, fmt.fl), rounding=rounding, seed=seed,
-                                      momentum=float(momentum)))
+            raise ValueError(f"fmt {fmt}{where} has il + fl > 24: its values are not exact in float32 params")
+        if group["rounding"] not in _ROUNDINGS:
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic'{where}, got {group['rounding']!r}")
+        lr, momentum = group["lr"], group["momentum"]
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be a finite number >= 0{where}, got {lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1){where}, got {momentum!r}")
+        group.update(fmt=(fmt.il, fmt.fl), lr=float(lr), momentum=float(momentum),
+                     seed=_ops.check_u64(group["seed"], "seed" + where))
+        return fmt
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group (which the constructor calls too), then: float32 params only, the group
@@ -369,9 +398,10 @@ class FixedPointSGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # every group checked before any param is written
+        fmts = [self._check_group(group, f" (param group {gi})") for gi, group in enumerate(self.param_groups)]
         first = 0  # index of the param's element 0 among all params
-        for group in self.param_groups:
-            fmt = FixedPointFormat(*group["fmt"])
+        for group, fmt in zip(self.param_groups, fmts):
             for p in group["params"]:
                 numel = p.numel()
                 if p.grad is not None:

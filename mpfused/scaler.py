@@ -358,6 +358,11 @@ class GradScaler(torch.amp.GradScaler):
                     if view is not None:
                         kernel.append(view)
                     else:
+                        if grad.layout == torch.strided and torch._debug_has_internal_overlap(grad) == 1:
+                            # torch's op raises for it, but only once the grads before it were unscaled
+                            raise RuntimeError(f"param {i} of param group {gi}: its grad has elements that share "
+                                               "memory (an expand()ed tensor), which an in-place unscale cannot "
+                                               "write; clone() it first")
                         other[grad.dtype].append(grad)
         return buckets, self._skip_mesh(meshes)
 
@@ -636,6 +641,8 @@ class GradScaler(torch.amp.GradScaler):
                           "torch.FloatTensor with requires_grad=False.")
                 if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                     raise AssertionError(reason)
+                if new_scale.device.type == "cpu" and not torch.compiler.is_compiling():
+                    _check_scale("new_scale", new_scale)  # (a device tensor's value is not read: no sync)
                 _scale.copy_(new_scale.reshape(()))
             else:
                 _scale.fill_(_check_scale("new_scale", new_scale))

@@ -374,6 +374,9 @@ def test_out_argument_is_checked_before_anything_is_written():
     (lambda a, b: fxp.matmul(a, b, (4, 4), (4, 4), (4, 4), rounding="x"), ValueError, "rounding"),
     (lambda a, b: fxp.matmul(a, None, (4, 4), (4, 4), (4, 4)), TypeError, "b_codes"),
     (lambda a, b: fxp.matmul(a, b, (4, 4), (4, 4), (4, 4), offset=2**64 - 1), ValueError, "offset"),
+    # codes beyond their format (<2,2>: codes -8 .. 7; b holds up to 11) could overflow the int64 sum
+    (lambda a, b: fxp.matmul(a, b, (4, 4), (2, 2), (4, 4)), ValueError, r"b_codes must hold codes of <2,2>, in \[-8, 7\]"),
+    (lambda a, b: fxp.matmul(a - 9, b, (2, 2), (4, 4), (4, 4)), ValueError, r"a_codes .* got values in \[-9, -4\]"),
 ])
 def test_bad_matmul_arguments(make, exc, name):
     a = torch.arange(6, dtype=torch.int16).reshape(2, 3)
@@ -382,6 +385,35 @@ def test_bad_matmul_arguments(make, exc, name):
     with pytest.raises(exc, match=name):
         make(a, b)
     assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+def test_matmul_of_codes_beyond_their_format_raises_where_the_sum_would_overflow():
+    a = torch.full((1, 4), 2**31 - 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="a_codes must hold codes of <17,0>"):
+        fxp.matmul(a, a.t().contiguous(), (17, 0), (17, 0), (32, 0))
+
+
+def test_linear_rejects_input_of_the_wrong_width():
+    layer = fxp.FixedPointLinear(4, 3, fmt=(4, 8))
+    for x in (torch.ones(2, 5), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"input must be a tensor of shape \(\.\.\., in_features=4\)"):
+            layer(x)
+
+
+@pytest.mark.parametrize("key, bad", [("rounding", "up"), ("fmt", (0, 4)), ("lr", "x"), ("lr", float("nan")),
+                                      ("seed", 1.5), ("momentum", 1.0)])
+def test_sgd_checks_every_group_before_writing_any(key, bad):
+    """Group 0's param, step count and momentum buffer stay as they were when group 1 holds a bad value."""
+    p0, p1 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = fxp.FixedPointSGD([{"params": [p0]}, {"params": [p1]}], lr=0.25, fmt=(4, 8), momentum=0.5)
+    p0.grad, p1.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    before = (p0.detach().clone(), opt.state[p0]["momentum_buffer"].clone(), opt.state[p0]["step"])
+    opt.param_groups[1][key] = bad
+    with pytest.raises((ValueError, TypeError), match=f"{key}.*param group 1"):
+        opt.step()
+    after = (p0.detach(), opt.state[p0]["momentum_buffer"], opt.state[p0]["step"])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
 
 
 def test_format_dataclass():

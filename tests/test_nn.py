@@ -303,6 +303,12 @@ def test_bad_arguments(device):
         layer(torch.ones(2, 5, device=device, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):  # dtype mismatch: torch's own error from the F.linear path
         layer(torch.ones(2, 4, device=device, dtype=torch.float16))
+    # the backward operator, which is public too (torch.ops.mpfused.activation_backward)
+    g = torch.ones(3, 5, device=device)
+    with pytest.raises(ValueError, match="activation must be 'relu', 'gelu' or 'gelu_erf', got 'tanh'"):
+        torch.ops.mpfused.activation_backward(g, g, "tanh", None, None)
+    with pytest.raises(ValueError, match=r"act_input must have grad's shape \(3, 5\), got \(2, 5\)"):
+        torch.ops.mpfused.activation_backward(g, g[:2], "relu", None, None)
 
 
 # ---- convert_linear ------------------------------------------------------------------------------------

@@ -386,6 +386,9 @@ def test_add_param_group_and_zero_grad(device):
     lambda p: FusedAdam(p, eps=-1e-8),
     lambda p: FusedAdamW(p, weight_decay=float("inf")),
     lambda p: FusedAdam(p, lr=torch.tensor([1e-3, 1e-3])),
+    lambda p: FusedAdam(p, lr=torch.tensor(-1.0)),
+    lambda p: FusedAdamW(p, lr=torch.tensor(float("nan"))),
+    lambda p: FusedSGD(p, lr=torch.tensor(-0.1)),
     lambda p: FusedSGD(p, momentum=-0.5),
     lambda p: FusedSGD(p, nesterov=True),
     lambda p: FusedSGD(p, momentum=0.9, dampening=0.1, nesterov=True),
@@ -394,6 +397,74 @@ def test_add_param_group_and_zero_grad(device):
 def test_invalid_hyperparameters_raise_value_error(make):
     with pytest.raises(ValueError, match="Invalid|Nesterov|must be 1-element"):
         make([torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_a_tensor_lr_added_with_a_group_is_checked():
+    opt = FusedAdam([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(0.1))
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": torch.tensor(-1.0)})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("make, key, bad", [
+    (lambda ps: FusedAdam(ps, lr=0.1), "maximize", 2),
+    (lambda ps: FusedAdamW(ps, lr=0.1), "amsgrad", "yes"),
+    (lambda ps: FusedAdam(ps, lr=0.1), "decoupled_weight_decay", None),
+    (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), "nesterov", 3),
+    (lambda ps: mpfused.optim.FusedLion(ps, lr=0.1), "maximize", 0.5),
+    (lambda ps: mpfused.optim.FusedLAMB(ps, lr=0.1), "use_nvlamb", 7),
+])
+def test_a_bad_switch_in_a_later_group_writes_nothing(make, key, bad):
+    """A param group is a dict that code edits between steps; a switch that is not True/False in group 1
+    must stop the step before group 0's params or state are written (each group is one kernel call)."""
+    p0, p1 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = make([{"params": [p0]}, {"params": [p1]}])
+    p0.grad, p1.grad = torch.ones(4), torch.ones(4)
+    opt.param_groups[1][key] = bad
+    with pytest.raises(ValueError, match=f"Invalid {key}: expected True or False, got {bad!r} \\(param group 1\\)"):
+        opt.step()
+    assert p0.tolist() == [1.0] * 4 and not opt.state[p0]
+
+
+def test_betas_a_scheduler_makes_mixed_still_step():
+    """OneCycleLR (cycle_momentum) writes a float beta1 beside a tensor beta2; torch steps on with that."""
+    results = []
+    for cls in (torch.optim.Adam, FusedAdam):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10)
+        for _ in range(4):
+            p.grad = torch.tensor([1.0, -2.0, 0.5])
+            opt.step()
+            sched.step()
+        assert not isinstance(opt.param_groups[0]["betas"][0], torch.Tensor)
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=OPTIM_FP32_ATOL)
+
+
+def test_load_state_dict_pre_hook_edits_a_copy():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = FusedSGD([p], lr=0.1)
+    sd = opt.state_dict()
+
+    def hook(optimizer, state_dict):
+        state_dict["param_groups"] = [dict(g, lr=0.5) for g in state_dict["param_groups"]]
+
+    opt.register_load_state_dict_pre_hook(hook)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.5 and sd["param_groups"][0]["lr"] == 0.1
+
+
+def test_load_state_dict_rejects_a_step_of_several_elements():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.ones(2)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = torch.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match="state 'step' must be a number or a one-element tensor"):
+        opt.load_state_dict(sd)
+    assert opt.state[p]["step"].item() == 1.0
 
 
 def test_bad_params_and_grads_raise_before_anything_is_written():
@@ -625,7 +696,8 @@ def test_mpfused_scaler_hands_a_step_scaling_to_step_and_sets_nothing_on_the_opt
     assert isinstance(scaling, StepScaling) and added == set()
     assert scaling.inv_scale is not None and scaling.found_inf is not None and scaling.clip[1] == 0.5
     # (the optimizer's own caches aside: its kernels' counters and its step plan)
-    assert not any(k.startswith("_mpf_") and k not in ("_mpf_counters", "_mpf_plan") for k in vars(opt))
+    assert not any(k.startswith("_mpf_") and k not in ("_mpf_counters", "_mpf_plan", "_mpf_versions")
+               for k in vars(opt))  # (the optimizer's own: its counters, step plan and params' versions)
     sumsq = torch.stack([p.grad.float().pow(2).sum() for p in ref.parameters()]).sum() / 2.0**16
     opt_ref.step(scaling=StepScaling(inv_scale=torch.tensor([2.0**-8], device=device),
                                      found_inf=torch.zeros(1, device=device), clip=(sumsq.reshape(1), 0.5)))

@@ -579,6 +579,84 @@ def test_remainder_nan_and_overflow_are_handled():
     assert joined(p, r)[2].item() == 0x7F7FFFFF and math.isinf(p[2].item())
 
 
+# ---- a param written from outside the step ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [dict(), dict(master_weights="remainder")])
+def test_a_param_written_between_steps_keeps_the_write(mode):
+    """A clamp_ (or any in-place write of the param itself) between steps is what the next step starts
+    from, as with torch's optimizers: the master (or the remainder) follows the param. Before, the step
+    computed from the stale master and wrote over the edit."""
+    dtype = torch.bfloat16 if mode else torch.float16
+    p = torch.nn.Parameter(torch.tensor([0.25, 1.0, -1.0], dtype=dtype))
+    opt = FusedSGD([p], lr=0.125, **mode)
+    for _ in range(3):
+        p.grad = torch.full((3,), -1.0, dtype=dtype)
+        opt.step()
+        with torch.no_grad():
+            p.clamp_(-0.5, 0.5)
+    # -1.0 -> -0.875, clamped to -0.5 -> -0.375 -> -0.25 (steps of 0.125, exact in both dtypes); from the
+    # stale master it would be -0.625, clamped to -0.5. The others stay at the clamp.
+    assert p.tolist() == [0.5, 0.5, -0.25]
+    p.grad = torch.zeros(3, dtype=dtype)
+    opt.step()
+    assert p.tolist() == [0.5, 0.5, -0.25]
+
+
+def test_a_write_of_a_bf16_param_clears_its_remainder():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = FusedSGD([p], lr=1e-3, master_weights="remainder")
+    p.grad = torch.full((3,), -1.0, dtype=torch.bfloat16)
+    opt.step()  # 1.001: BF16 holds 1.0, the remainder the rest
+    assert bool(opt.state[p]["master_remainder"].ne(0).all()) and p.tolist() == [1.0] * 3
+    with torch.no_grad():
+        p.fill_(0.25)
+    p.grad = torch.zeros(3, dtype=torch.bfloat16)
+    opt.step()
+    assert p.tolist() == [0.25] * 3 and not opt.state[p]["master_remainder"].any()
+
+
+def test_reverting_the_model_to_a_checkpoint_is_not_undone_by_the_next_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).half()
+    opt = FusedSGD(model.parameters(), lr=0.1)
+    best = copy.deepcopy(model.state_dict())
+    for _ in range(3):
+        model(torch.randn(2, 4).half()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.load_state_dict(best)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), best.values()))
+
+
+def test_masters_keep_their_bits_when_nothing_else_writes_the_params():
+    """No write from outside: the FP32 master carries updates the FP16 param cannot hold, step after step
+    (the planned path and the full one), and a checkpoint's masters are the ones used after a resume that
+    loads the model first (its copy_ writes the params)."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    ref = torch.nn.Parameter(torch.ones(4))
+    opt, ref_opt = FusedSGD([p], lr=1e-4), torch.optim.SGD([ref], lr=1e-4)
+    for _ in range(50):
+        p.grad, ref.grad = torch.ones(4, dtype=torch.float16), torch.ones(4)
+        opt.step()
+        ref_opt.step()
+    master = opt.state[p]["master_param"]
+    assert torch.equal(master, ref.detach()) and not torch.equal(master, p.detach().float())
+    saved_param, saved_opt = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    q = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    resumed = FusedSGD([q], lr=1e-4)
+    q.grad = torch.ones(4, dtype=torch.float16)
+    resumed.step()  # a step of its own before the resume: its params' versions are recorded
+    with torch.no_grad():
+        q.copy_(saved_param)  # the model first (a write), then the optimizer
+    resumed.load_state_dict(saved_opt)
+    for o, t in ((opt, p), (resumed, q)):
+        t.grad = torch.ones(4, dtype=torch.float16)
+        o.step()
+    assert torch.equal(resumed.state[q]["master_param"], opt.state[p]["master_param"]) and torch.equal(q, p)
+
+
 # ---- CUDA against the CPU ---------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.parametrize("mode", [dict(master_weights=False, rounding="stochastic"),

@@ -313,6 +313,33 @@ def test_unscale_after_clip_grad_norm_works_with_every_optimizer(device):
         assert p.tolist() == pytest.approx([0.95] * 4, rel=1e-6), cls
 
 
+def test_a_grad_that_cannot_be_written_stops_unscale_before_any_grad_is(device):
+    """An expand()ed grad goes to torch's op, which refuses to write it, but only after our kernel had
+    unscaled the grads before it: a retry then unscaled those twice. Now nothing is written."""
+    a, b = torch.nn.Parameter(torch.ones(4, device=device)), torch.nn.Parameter(torch.ones(4, device=device))
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    scaler = mpfused.GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
+    a.grad = torch.full((4,), 8.0, device=device)
+    b.grad = torch.full((1,), 8.0, device=device).expand(4)
+    with pytest.raises(RuntimeError, match="param 1 of param group 0: its grad has elements that share memory"):
+        scaler.unscale_(opt)
+    assert a.grad.tolist() == [8.0] * 4
+    b.grad = b.grad.clone()
+    scaler.unscale_(opt)
+    assert a.grad.tolist() == [2.0] * 4 and b.grad.tolist() == [2.0] * 4
+
+
+def test_update_checks_a_cpu_tensor_new_scale():
+    scaler = mpfused.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    for bad in (float("nan"), -4.0, 0.0):
+        with pytest.raises(ValueError, match="new_scale must be a finite number"):
+            scaler.update(torch.tensor(bad))
+    scaler.update(torch.tensor(16.0))
+    assert scaler.get_scale() == 16.0 and scaler._inv_scale.item() == 1 / 16
+
+
 def test_torch_scaler_drives_a_fused_optimizer_without_grads(device):
     """torch.amp.GradScaler hands a fused optimizer found_inf = sum([]) = 0 (an int) when no param has a
     grad (a frozen branch, a second optimizer unused this iteration): a step that does nothing, as torch's

@@ -379,6 +379,24 @@ def test_a_group_value_of_another_kind_is_another_structure(name, key, before, a
     assert taken == [False, True, False]
 
 
+@pytest.mark.parametrize("dtype, kw", [(torch.float16, {}), (torch.bfloat16, dict(master_weights="remainder"))])
+def test_a_param_written_from_outside_takes_the_full_path_once(dtype, kw):
+    """A clamp_ of a param (its version counter moves; the kernels' writes do not move it) sends the next
+    step down the full path, which makes the master follow the param (_follow_writes); the step after it
+    is planned again. Both paths give the same bits, and the same bits as after the write."""
+    a, b = pair("adamw", dtype=dtype, **kw)
+    taken = spy_plan(a)
+    for step in range(5):
+        if step == 2:
+            for opt in (a, b):
+                with torch.no_grad():
+                    opt.param_groups[1]["params"][1].clamp_(-0.25, 0.25)
+        for opt in (a, b):
+            op_step(opt, step)
+        assert_same(snap(a), snap(b))
+    assert taken == [False, True, False, True, True]
+
+
 @pytest.mark.parametrize("how", ["layout", "dtype"])
 def test_a_state_tensor_changed_in_place_in_the_second_group(how):
     """The same object, laid out or typed anew through .data: the planned path hands the step to the full

@@ -39,14 +39,20 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_lr(lr, where: str = "") -> None:
-    """torch's checks and texts: a tensor lr must have one element; a number must be >= 0."""
+def check_lr(lr, where: str = "", read_device: bool = True, read_cpu: bool = True) -> None:
+    """torch's checks and texts: a tensor lr must have one element; its value, or a number, must be >= 0
+    (and finite). A tensor's value is read as check_scalar_or_tensor says: a device tensor's only where
+    ``read_device`` (construction, add_param_group: torch reads it there too), a CPU tensor's unless
+    ``read_cpu`` is False (a capturable step) or under torch.compile."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element" + where)
         if not lr.is_floating_point():
             raise ValueError(f"Invalid learning rate: a tensor lr must be floating point, got {lr.dtype}{where}")
-        return
+        cpu = lr.device.type == "cpu"
+        if (not cpu and (not read_device or lr.device.type == "meta")) or (cpu and (not read_cpu or torch.compiler.is_compiling())):
+            return
+        lr = lr.item()
     check_number("learning rate", lr, where=where)
 
 
@@ -90,10 +96,23 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
 
 
+def check_flags(group: dict, names: tuple, where: str = "") -> None:
+    """The switches of a param group (maximize, amsgrad, nesterov, ...): True or False (0 and 1 too). A
+    param group is a plain dict that code may edit between steps; anything else would reach the kernel's
+    own check, after the groups before it were stepped."""
+    for name in names:
+        value = group[name]
+        if not (value is True or value is False or type(value).__name__ == "bool_"  # (numpy's bool)
+                or (_is_real(value) and value in (0, 1))):
+            raise ValueError(f"Invalid {name}: expected True or False, got {value!r}{where}")
+
+
 def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = False, read_device: bool = True,
-                read_cpu: bool = True) -> None:
+                read_cpu: bool = True, pair_rule: bool = True) -> None:
     """A pair of betas in [0, 1) ([0, 1] without ``hi_open``), torch's texts. ``tensors``: each may be a
-    one-element tensor (both or neither), as torch's Adam allows; see check_scalar_or_tensor."""
+    one-element tensor, as torch's Adam allows; see check_scalar_or_tensor. ``pair_rule``: both or neither,
+    torch's rule at construction (a scheduler that cycles momentum, OneCycleLR, later writes a float
+    beside a tensor; torch steps on with that, and so does the kernel, which takes each on its own)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: expected a pair, got {betas!r}{where}")
     for i, b in enumerate(betas):
@@ -102,7 +121,7 @@ def check_betas(betas, where: str = "", hi_open: bool = True, tensors: bool = Fa
                                    read_device=read_device, read_cpu=read_cpu)
         else:
             check_number(f"beta parameter at index {i}", b, 0.0, 1.0, hi_open=hi_open, where=where)
-    if tensors and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+    if tensors and pair_rule and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
         raise ValueError(f"betas must be either both floats or both Tensors{where}")
 
 
@@ -330,10 +349,43 @@ def _kernel_entries(policy: str, states: list) -> list:
     return [[s.get(name) for s in states] for name in _ENTRY_NAMES[policy]]
 
 
-def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
+def _step_layout(params: list, grads: list, entries: list, versions: bool) -> Optional[bytes]:
     """_C.step_layout of params, their grads and their _kernel_entries (moments and masters beside the
-    params, remainders, step counters)."""
-    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1])
+    params, remainders, step counters); ``versions``: with the params' version counters (plain params: a
+    write from outside the step then takes the full path, which makes the masters follow it)."""
+    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1], versions)
+
+
+def _followed(params: list, states: list) -> tuple:
+    """(param, master, remainder) of the plain params among ``params`` that keep an FP32 master or a
+    remainder (see _follow_writes)."""
+    out = []
+    for p, st in zip(params, states):
+        if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter):
+            master, remainder = st.get("master_param"), st.get("master_remainder")
+            if master is not None or remainder is not None:
+                out.append((p, master, remainder))
+    return tuple(out)
+
+
+def _follow_writes(followed: tuple, seen: dict) -> None:
+    """A param with an FP32 master (or a remainder) that code outside the step wrote since the last step
+    (``model.load_state_dict``, an ``init_`` or a ``clamp_`` under no_grad, a broadcast: every in-place op
+    on the param bumps its version counter; the kernels' own writes do not) keeps what was written: its
+    master becomes the param's value (a remainder becomes 0), as with torch's optimizers, where the param is
+    the weight. Without it the step would compute from the stale master and write over the edit. ``seen``:
+    each param's version when the last step read it. Not seen: writes through ``.data`` (a tensor with a
+    version counter of its own), and DTensor and other subclass params (FSDP's flat params) are not
+    followed. The full path calls it, before the kernels and after every check; the planned path leaves a
+    step whose params' version counters moved to the full path (_StepPlan)."""
+    for p, master, remainder in followed:
+        v = p._version
+        if seen.get(p, v) != v:
+            if master is not None:
+                master.copy_(p.detach())
+            if remainder is not None:
+                remainder.zero_()
+        seen[p] = v
 
 
 @dataclass
@@ -369,7 +421,8 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``) and every group's values before the first kernel call (a value that is the very object
+    ``.data``; and a plain param's version counter, which a write from outside the step moves: the full
+    path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
     last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
     checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
     the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
@@ -415,7 +468,7 @@ class _StepPlan:
             if any(t is not None and not is_plain_tensor(t) for unused, tensors in zip(layout_entries, local_entries or entries)
                    if unused is not tensors for t in tensors):
                 return None  # (an unused state that is a subclass: torch.ops hands it the call, the full path's)
-            layout = _step_layout(lps, lgs, layout_entries)
+            layout = _step_layout(lps, lgs, layout_entries, versions=not dtensors)
             if layout is None:
                 return None
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
@@ -489,7 +542,7 @@ class _StepPlan:
                                                                                  gp.entries):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
-            if _step_layout(lps, lgs, gp.layout_entries) != gp.layout:
+            if _step_layout(lps, lgs, gp.layout_entries, versions=gp.local_entries is None) != gp.layout:
                 return None
             calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
@@ -579,6 +632,8 @@ class FusedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.pop("_mpf_plan", None)  # a plan holds the state and groups being replaced
+        # loaded masters are the params' from here on, whatever wrote the params before (_follow_writes)
+        self.__dict__.pop("_mpf_versions", None)
         super().__setstate__(state)
 
     @staticmethod
@@ -924,6 +979,8 @@ class FusedOptimizer(Optimizer):
             plannable = plannable and len(buckets) <= 1
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
+                if not dtensors and not compiling:
+                    _follow_writes(_followed(ps, states), self.__dict__.setdefault("_mpf_versions", {}))
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout.
                 grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
@@ -961,7 +1018,7 @@ class FusedOptimizer(Optimizer):
             if changed:
                 where = f" (param group {gi})"
                 if changed == ("lr",):
-                    check_lr(group["lr"], where)
+                    check_lr(group["lr"], where, read_device=False, read_cpu=not group.get("capturable"))
                 else:
                     check_precision(group, where)
                     self._check_group(group, where, in_step=True)
@@ -1093,7 +1150,10 @@ class FusedOptimizer(Optimizer):
                 value = _dist.local(value)
             # a copy: the kernels count steps in place, and a state dict taken from a live optimizer must not
             # share its counters with this one
-            return torch.as_tensor(value, dtype=torch.float32).to(param.device).reshape(()).clone()
+            step = torch.as_tensor(value, dtype=torch.float32)
+            if step.numel() != 1:
+                raise ValueError(f"state 'step' must be a number or a one-element tensor, got shape {tuple(step.shape)}")
+            return step.to(param.device).reshape(()).clone()
         if key == "master_remainder" and isinstance(value, torch.Tensor):
             # int16 bits, never cast through a float dtype, in the param's memory layout
             if value.dtype != torch.int16:
@@ -1152,6 +1212,7 @@ class FusedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our own state dicts and torch.optim's (Adam, AdamW, SGD): FP32 state stays FP32, a missing
         master copy is taken from the current params, a missing SGD step count is inferred."""
+        state_dict = state_dict.copy()  # as torch: a pre-hook that edits its dict leaves the caller's as it was
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:

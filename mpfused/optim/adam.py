@@ -6,7 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_lr, check_number, device_hyper
+from ._base import (FusedOptimizer, check_betas, check_common_kwargs, check_flags, check_lr, check_number,
+                    device_hyper)
 
 
 class FusedAdam(FusedOptimizer):
@@ -42,11 +43,13 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _check_group(self, group, where, in_step=False) -> None:
-        check_lr(group["lr"], where)
+        read_cpu = not (in_step and group.get("capturable"))
+        check_lr(group["lr"], where, read_device=not in_step, read_cpu=read_cpu)
         check_number("epsilon value", group["eps"], where=where)
-        check_betas(group["betas"], where, tensors=True, read_device=not in_step,
-                    read_cpu=not (in_step and group.get("capturable")))
+        check_betas(group["betas"], where, tensors=True, read_device=not in_step, read_cpu=read_cpu,
+                    pair_rule=not in_step)
         check_number("weight_decay value", group["weight_decay"], where=where)
+        check_flags(group, ("amsgrad", "maximize", "decoupled_weight_decay"), where)
 
     def _init_state(self, group, p, state) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)

@@ -11,7 +11,8 @@ import torch
 
 from .. import _dist, _ops
 from .._layout import flat, is_dense
-from ._base import FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_lr, check_number, copy_to
+from ._base import (FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_flags, check_lr, check_number,
+                    copy_to)
 
 
 class FusedLAMB(FusedOptimizer):
@@ -52,11 +53,12 @@ class FusedLAMB(FusedOptimizer):
         self.set_grad_none = bool(set_grad_none)
 
     def _check_group(self, group, where, in_step=False) -> None:
-        check_lr(group["lr"], where)
+        check_lr(group["lr"], where, read_device=not in_step, read_cpu=not (in_step and group.get("capturable")))
         check_number("epsilon value", group["eps"], where=where)
         check_betas(group["betas"], where)
         check_number("weight_decay value", group["weight_decay"], where=where)
         check_number("max_grad_norm value", group["max_grad_norm"], where=where)
+        check_flags(group, ("bias_correction", "grad_averaging", "adam_w_mode", "use_nvlamb"), where)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """apex's: grads are set to None when ``set_grad_none`` (the default), else zeroed."""

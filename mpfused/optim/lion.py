@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_lr, check_number
+from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_flags, check_lr, check_number
 
 
 class FusedLion(FusedOptimizer):
@@ -34,9 +34,10 @@ class FusedLion(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _check_group(self, group, where, in_step=False) -> None:
-        check_lr(group["lr"], where)
+        check_lr(group["lr"], where, read_device=not in_step, read_cpu=not (in_step and group.get("capturable")))
         check_betas(group["betas"], where, hi_open=False)
         check_number("weight_decay value", group["weight_decay"], where=where)
+        check_flags(group, ("maximize",), where)
 
     def _init_state(self, group, p, state) -> None:
         self._complete_state(group, p, state)

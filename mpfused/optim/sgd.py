@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from ._base import FusedOptimizer, check_common_kwargs, check_lr, check_number, check_scalar_or_tensor, device_hyper
+from ._base import (FusedOptimizer, check_common_kwargs, check_flags, check_lr, check_number, check_scalar_or_tensor,
+                    device_hyper)
 
 
 class FusedSGD(FusedOptimizer):
@@ -35,11 +36,13 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _check_group(self, group, where, in_step=False) -> None:
-        check_lr(group["lr"], where)
+        read_cpu = not (in_step and group.get("capturable"))
+        check_lr(group["lr"], where, read_device=not in_step, read_cpu=read_cpu)
         check_number("momentum value", group["momentum"], where=where)
         check_number("dampening value", group["dampening"], -math.inf, where=where)
         check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step,
-                               read_cpu=not (in_step and group.get("capturable")))
+                               read_cpu=read_cpu)
+        check_flags(group, ("nesterov", "maximize"), where)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening" + where)
 
