@@ -205,10 +205,11 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
     under torch.compile); a code beyond its format could overflow the int64 sum."""
     fa, fb, fo = _as_format(fmt_a, "fmt_a"), _as_format(fmt_b, "fmt_b"), _as_format(fmt_out, "fmt_out")
     a_codes, b_codes = _tensor(a_codes, "a_codes"), _tensor(b_codes, "b_codes")
-    for name, codes, f in (("a_codes", a_codes, fa), ("b_codes", b_codes, fb)):
-        if (codes.dtype in _CODE_DTYPES and codes.numel() and codes.device.type != "meta"
-                and not torch.compiler.is_compiling()):
-            lo, hi = torch.stack(codes.aminmax()).tolist()  # (one read)
+    checked = [(name, codes, f) for name, codes, f in (("a_codes", a_codes, fa), ("b_codes", b_codes, fb))
+               if codes.dtype in _CODE_DTYPES and codes.numel() and codes.device.type != "meta"]
+    if checked and not torch.compiler.is_compiling() and len({c.device for _, c, _ in checked}) == 1:
+        ranges = torch.stack([torch.stack(c.aminmax()).long() for _, c, _ in checked]).tolist()  # (one read)
+        for (name, _, f), (lo, hi) in zip(checked, ranges):
             if lo < f.code_min or hi > f.code_max:
                 raise ValueError(f"{name} must hold codes of {f}, in [{f.code_min}, {f.code_max}]; got values in "
                                  f"[{lo}, {hi}]")
@@ -362,13 +363,13 @@ class FixedPointSGD(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float, fmt: FormatLike, rounding: str = "stochastic", seed: int = 0,
                  momentum: float = 0.0):
         defaults = dict(lr=lr, fmt=fmt, rounding=rounding, seed=seed, momentum=momentum)
-        self._check_group(defaults)
+        defaults.update(self._check_group(defaults)[1])
         super().__init__(params, defaults)
 
     @staticmethod
-    def _check_group(group: dict, where: str = "") -> FixedPointFormat:
-        """Validates a param group's values and makes them plain ((il, fl), floats, an int seed); returns
-        its format. step() checks every group before it writes any param (code may edit a group)."""
+    def _check_group(group: dict, where: str = "") -> tuple:
+        """Validates a param group's values; returns its format and the values made plain ((il, fl),
+        floats, an int seed). step() checks every group before it writes any (code may edit a group)."""
         fmt = _as_format(group["fmt"] if not isinstance(group["fmt"], list) else tuple(group["fmt"]), "fmt" + where)
         if fmt.wl > 24:
             raise ValueError(f"fmt {fmt}{where} has il + fl > 24: its values are not exact in float32 params")
@@ -379,9 +380,8 @@ class FixedPointSGD(torch.optim.Optimizer):
             raise ValueError(f"lr must be a finite number >= 0{where}, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1){where}, got {momentum!r}")
-        group.update(fmt=(fmt.il, fmt.fl), lr=float(lr), momentum=float(momentum),
-                     seed=_ops.check_u64(group["seed"], "seed" + where))
-        return fmt
+        return fmt, dict(fmt=(fmt.il, fmt.fl), lr=float(lr), momentum=float(momentum),
+                         seed=_ops.check_u64(group["seed"], "seed" + where))
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group (which the constructor calls too), then: float32 params only, the group
@@ -398,8 +398,11 @@ class FixedPointSGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # every group checked before any param is written
-        fmts = [self._check_group(group, f" (param group {gi})") for gi, group in enumerate(self.param_groups)]
+        # every group checked before anything is written
+        checked = [self._check_group(group, f" (param group {gi})") for gi, group in enumerate(self.param_groups)]
+        for group, (_, plain) in zip(self.param_groups, checked):
+            group.update(plain)
+        fmts = [fmt for fmt, _ in checked]
         first = 0  # index of the param's element 0 among all params
         for group, fmt in zip(self.param_groups, fmts):
             for p in group["params"]:

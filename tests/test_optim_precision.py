@@ -601,7 +601,9 @@ def test_a_param_written_between_steps_keeps_the_write(mode):
     assert p.tolist() == [0.5, 0.5, -0.25]
 
 
-def test_a_write_of_a_bf16_param_clears_its_remainder():
+def test_a_write_of_a_bf16_param_with_a_remainder_stands():
+    """The param is the master's high half: a written value stands, with the old low bits below it (less
+    than half a BF16 step)."""
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     opt = FusedSGD([p], lr=1e-3, master_weights="remainder")
     p.grad = torch.full((3,), -1.0, dtype=torch.bfloat16)
@@ -611,7 +613,88 @@ def test_a_write_of_a_bf16_param_clears_its_remainder():
         p.fill_(0.25)
     p.grad = torch.zeros(3, dtype=torch.bfloat16)
     opt.step()
-    assert p.tolist() == [0.25] * 3 and not opt.state[p]["master_remainder"].any()
+    j = joined(p, opt.state[p]["master_remainder"])
+    master = torch.where(j >= 2**31, j - 2**32, j).to(torch.int32).view(torch.float32)
+    assert p.tolist() == [0.25] * 3 and bool(((master - 0.25).abs() < 2.0**-10).all())
+
+
+def fp16_sgd(p, **kw):
+    """A FusedSGD on p with its FP32 master made by one step of lr * 1 (lr 1e-4: below FP16's step)."""
+    opt = FusedSGD([p], lr=1e-4, **kw)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_write_follows_only_the_elements_it_changed(rounding):
+    """Elements a write left alone, and a write that puts back what was there (an EMA swapped in and
+    back), keep their masters' low bits; the element written takes its new value."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = fp16_sgd(p, master_weights=True, rounding=rounding, seed=3)
+    master = opt.state[p]["master_param"]
+    before = master.clone()
+    assert not torch.equal(before, p.detach().float())  # the master holds bits the param cannot
+    with torch.no_grad():
+        saved = p.detach().clone()
+        p.copy_(torch.full_like(p, 0.5))  # swapped out ...
+        p.copy_(saved)  # ... and back: the version moved twice, no value changed
+        p[2] = 0.125  # one element written
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    want = before.clone()
+    want[2] = 0.125
+    assert torch.equal(master, want) and p[2].item() == 0.125
+
+
+def test_params_sharing_a_version_counter_follow_only_their_own_writes():
+    """Views of one buffer share a version counter: a write to one moves the other's too."""
+    flat = torch.ones(8, dtype=torch.float16)
+    a, b = torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])
+    opt = FusedSGD([a, b], lr=1e-4)
+    a.grad, b.grad = torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.float16)
+    opt.step()
+    b_master = opt.state[b]["master_param"].clone()
+    with torch.no_grad():
+        a.fill_(0.5)
+    assert a._version == b._version
+    a.grad, b.grad = torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)
+    opt.step()
+    assert torch.equal(opt.state[b]["master_param"], b_master) and a.tolist() == [0.5] * 4
+
+
+def test_an_embedding_renormed_in_every_forward_trains_on_its_masters():
+    """nn.Embedding(max_norm=...) renorms its weight in place in every forward, which moves its version even
+    where no row is clipped: its FP16 weight must train as it does without max_norm (updates below FP16's
+    step kept by the master)."""
+    results = []
+    for max_norm in (None, 1e6):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(16, 4, max_norm=max_norm).half()
+        opt = FusedSGD(emb.parameters(), lr=1e-4)
+        for i in range(20):
+            emb(torch.arange(16)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((emb.weight.detach().clone(), opt.state[emb.weight]["master_param"].clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_a_write_after_the_masters_exist_and_before_the_first_step_is_followed():
+    """Masters made before the weights are loaded (a torch state dict loaded first; amp.initialize, which
+    makes them from FP32 originals): the first step compares every param with its master."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=1e-4)
+    opt = FusedSGD([p], lr=1e-4)
+    opt.load_state_dict(torch_opt.state_dict())
+    p.grad = torch.zeros(4, dtype=torch.float16)
+    opt.step()  # the masters, from the params as they are
+    opt2 = FusedSGD([p], lr=1e-4)
+    opt2.load_state_dict(opt.state_dict())  # holds the masters: 1.0
+    with torch.no_grad():
+        p.fill_(0.5)  # the pretrained weights arrive after
+    opt2.step()
+    assert p.tolist() == [0.5] * 4 and opt2.state[p]["master_param"].tolist() == [0.5] * 4
 
 
 def test_reverting_the_model_to_a_checkpoint_is_not_undone_by_the_next_step():

@@ -379,22 +379,30 @@ def test_a_group_value_of_another_kind_is_another_structure(name, key, before, a
     assert taken == [False, True, False]
 
 
-@pytest.mark.parametrize("dtype, kw", [(torch.float16, {}), (torch.bfloat16, dict(master_weights="remainder"))])
-def test_a_param_written_from_outside_takes_the_full_path_once(dtype, kw):
-    """A clamp_ of a param (its version counter moves; the kernels' writes do not move it) sends the next
-    step down the full path, which makes the master follow the param (_follow_writes); the step after it
-    is planned again. Both paths give the same bits, and the same bits as after the write."""
+@pytest.mark.parametrize("dtype, kw, every_step", [
+    (torch.float16, {}, False),  # an FP32 master: the step after the write takes the full path, once
+    (torch.bfloat16, dict(master_weights="remainder"), False),  # a remainder follows nothing: planned
+    (torch.float32, {}, True),  # no master: a clamp_ every step (weight clipping) keeps the plan
+])
+def test_a_param_written_from_outside(dtype, kw, every_step):
+    """A clamp_ of a param moves its version counter (the kernels' writes do not). Where the param has an
+    FP32 master, the next step takes the full path, which makes the master follow the param
+    (_follow_writes), and the step after it is planned again; elsewhere nothing needs to follow. Both
+    paths give the same bits."""
     a, b = pair("adamw", dtype=dtype, **kw)
     taken = spy_plan(a)
     for step in range(5):
-        if step == 2:
+        if step == 2 or (every_step and step > 0):
             for opt in (a, b):
                 with torch.no_grad():
                     opt.param_groups[1]["params"][1].clamp_(-0.25, 0.25)
         for opt in (a, b):
             op_step(opt, step)
         assert_same(snap(a), snap(b))
-    assert taken == [False, True, False, True, True]
+    assert taken == [False, True, dtype != torch.float16, True, True]
+    if dtype == torch.float16:  # the clamped param's master holds the clamp
+        p = a.param_groups[1]["params"][1]
+        assert float(a.state[p]["master_param"].abs().max()) <= 0.25 + 0.01
 
 
 @pytest.mark.parametrize("how", ["layout", "dtype"])

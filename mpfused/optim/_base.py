@@ -356,36 +356,51 @@ def _step_layout(params: list, grads: list, entries: list, versions: bool) -> Op
     return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1], versions)
 
 
-def _followed(params: list, states: list) -> tuple:
-    """(param, master, remainder) of the plain params among ``params`` that keep an FP32 master or a
-    remainder (see _follow_writes)."""
+def _followed(params: list, states: list, stochastic: bool) -> tuple:
+    """(param, master, stochastic) of the plain params among ``params`` that keep an FP32 master (see
+    _follow_writes)."""
     out = []
     for p, st in zip(params, states):
         if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter):
-            master, remainder = st.get("master_param"), st.get("master_remainder")
-            if master is not None or remainder is not None:
-                out.append((p, master, remainder))
+            master = st.get("master_param")
+            if master is not None:
+                out.append((p, master, stochastic))
     return tuple(out)
 
 
 def _follow_writes(followed: tuple, seen: dict) -> None:
-    """A param with an FP32 master (or a remainder) that code outside the step wrote since the last step
-    (``model.load_state_dict``, an ``init_`` or a ``clamp_`` under no_grad, a broadcast: every in-place op
-    on the param bumps its version counter; the kernels' own writes do not) keeps what was written: its
-    master becomes the param's value (a remainder becomes 0), as with torch's optimizers, where the param is
-    the weight. Without it the step would compute from the stale master and write over the edit. ``seen``:
-    each param's version when the last step read it. Not seen: writes through ``.data`` (a tensor with a
-    version counter of its own), and DTensor and other subclass params (FSDP's flat params) are not
-    followed. The full path calls it, before the kernels and after every check; the planned path leaves a
-    step whose params' version counters moved to the full path (_StepPlan)."""
-    for p, master, remainder in followed:
+    """Where code outside the step wrote a param that keeps an FP32 master (``model.load_state_dict``, an
+    ``init_`` or a ``clamp_`` under no_grad, a broadcast), the elements it changed keep what was written:
+    their master takes the param's value, as with torch's optimizers, where the param is the weight.
+    Without it the step would compute from the stale master and write over the edit.
+
+    Which params to look at: those whose version counter moved since the last step saw them (every in-place
+    op on a param moves it; the kernels' own writes do not), or that it never saw (masters made before the
+    params were loaded; a loaded optimizer state). Which elements: those where the param is no longer what
+    the step wrote from the master, its rounding (to nearest; with stochastic rounding, one of the master's
+    two neighbours in the param's dtype). So a write that changes nothing (an EMA swapped in and back, an
+    Embedding's max_norm renorm that clips no row, a compiled step's copy-back) and the elements a write
+    left alone keep their masters' low bits. Not seen: writes through ``.data`` (a tensor with a version
+    counter of its own), and DTensor and other subclass params (FSDP's flat params). A BF16 remainder needs
+    nothing: the param's bits are the master's high half, so a written value stands, with the old low bits
+    (less than half a step of BF16) below it. The full path calls this, after every check and before the
+    kernels; the planned path leaves a step whose masters' params moved to the full path (_StepPlan)."""
+    for p, master, stochastic in followed:
         v = p._version
-        if seen.get(p, v) != v:
-            if master is not None:
-                master.copy_(p.detach())
-            if remainder is not None:
-                remainder.zero_()
+        if seen.get(p) == v:
+            continue
         seen[p] = v
+        with torch.no_grad():
+            q = p.detach()
+            if stochastic:  # q is master's rounding down or up: nothing on the grid lies between them
+                qf = q.float()
+                toward = torch.nextafter(q, torch.where(master > qf, math.inf, -math.inf).to(q.dtype)).float()
+                kept = (qf == master) | ((master - qf).abs() < (toward - qf).abs())
+            else:
+                kept = q == master.to(q.dtype)
+            if master.device.type == "cpu" and bool(kept.all()):
+                continue  # (the common case on the CPU: nothing to write; on CUDA no read, the where writes)
+            master.copy_(torch.where(kept, master, q.float()))
 
 
 @dataclass
@@ -421,8 +436,8 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``; and a plain param's version counter, which a write from outside the step moves: the full
-    path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
+    ``.data``; and the version counter of a plain param with an FP32 master, which a write from outside
+    the step moves: the full path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
     last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
     checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
     the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
@@ -632,7 +647,7 @@ class FusedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.pop("_mpf_plan", None)  # a plan holds the state and groups being replaced
-        # loaded masters are the params' from here on, whatever wrote the params before (_follow_writes)
+        # the next step compares every param with its (loaded) master again (_follow_writes)
         self.__dict__.pop("_mpf_versions", None)
         super().__setstate__(state)
 
@@ -980,7 +995,8 @@ class FusedOptimizer(Optimizer):
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
                 if not dtensors and not compiling:
-                    _follow_writes(_followed(ps, states), self.__dict__.setdefault("_mpf_versions", {}))
+                    _follow_writes(_followed(ps, states, group.get("rounding") == "stochastic"),
+                                   self.__dict__.setdefault("_mpf_versions", {}))
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout.
                 grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
