@@ -124,8 +124,8 @@ bool plain_tensor(PyObject* o) {
 // `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
 // dtypes, devices, shapes and strides as bytes, which the plan compares with those of the step it was
 // made in; with `versions`, the version counters of the params that have an FP32 master (the last list of
-// `beside`) too: a param written from outside the step, whose master must follow it, then sends the step
-// down the full path (see _follow_writes). One pass in C++ (tens of ns a tensor), before any kernel call
+// `beside`) or a remainder too: a param written from outside the step, whose master must follow it, then
+// sends the step down the full path (see _follow_writes). One pass in C++ (tens of ns a tensor), before any kernel call
 // writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
                              const pybind11::list& remainders, const pybind11::list& steps, bool versions) {
@@ -164,8 +164,9 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
     out.push_back(static_cast<int64_t>(p.device().type()));
     out.push_back(p.device().index());
     out.push_back(p.dim());
-    if (versions && PyList_GET_SIZE(beside.ptr()) > 0 &&
-        PyList_GET_ITEM(PyList_GET_ITEM(beside.ptr(), PyList_GET_SIZE(beside.ptr()) - 1), i) != Py_None)
+    if (versions && ((PyList_GET_SIZE(beside.ptr()) > 0 &&
+                      PyList_GET_ITEM(PyList_GET_ITEM(beside.ptr(), PyList_GET_SIZE(beside.ptr()) - 1), i) != Py_None) ||
+                     PyList_GET_ITEM(remainders.ptr(), i) != Py_None))
       out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()));
     for (int64_t d = 0; d < p.dim(); ++d) {
       out.push_back(p.size(d));
@@ -370,7 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),
         pybind11::arg("remainders"), pybind11::arg("steps"), pybind11::arg("versions") = false,
         "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
-        "layouts (and, with versions, the version counters of those with a master) as bytes.");
+        "layouts (and, with versions, the version counters of those with a master or a remainder) as bytes.");
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
   m.def("same_entries", &same_entries, pybind11::arg("states"), pybind11::arg("names"), pybind11::arg("expected"),

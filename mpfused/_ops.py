@@ -611,15 +611,29 @@ def _gemm_out(a, b, out_dtype):
     return _gemm_shape(a, b), out_dtype or a.dtype
 
 
+def _gemm_epilogue(shape, bias, activation, c) -> None:
+    # the epilogue's arguments, as the kernel checks their shapes and names (a fake must refuse them too)
+    if activation not in (None, "relu", *_GELU_APPROXIMATE):
+        raise ValueError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got "
+                         f"{activation!r}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != shape[-1]):
+        raise ValueError(f"bias must be 1-D with {shape[-1]} elements (the output's columns), got shape "
+                         f"{tuple(bias.shape)}")
+    if c is not None and not (list(c.shape) == list(shape) or list(c.shape) == list(shape[-2:])):
+        raise ValueError(f"c must have the output's shape {tuple(shape)}, got shape {tuple(c.shape)}")
+
+
 @_fake("gemm")
 def _gemm_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
     shape, dtype = _gemm_out(a, b, out_dtype)
+    _gemm_epilogue(shape, bias, activation, c)
     return a.new_empty(shape, dtype=dtype)
 
 
 @_fake("gemm_with_pre")
 def _gemm_with_pre_fake(a, b, bias, activation, alpha, beta, c, out_dtype):
     shape, dtype = _gemm_out(a, b, out_dtype)
+    _gemm_epilogue(shape, bias, activation, c)
     return a.new_empty(shape, dtype=dtype), a.new_empty(shape, dtype=dtype)
 
 
@@ -630,16 +644,51 @@ def _philox_fake(counters, k0, k1):
 
 @_fake("round_stochastic")
 def _round_stochastic_fake(x, dtype, seed, offset):
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be a float32 tensor, got {x.dtype}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     return x.new_empty(x.shape, dtype=dtype)
+
+
+_CODE_BITS = {torch.int16: 16, torch.int32: 32}
+
+
+def _fixed_format_fake(il, fl, name) -> int:
+    # the kernel's rule for a format (fixed_format in csrc/torch/fixed_point.cpp); returns its WL
+    if not (il >= 1 and fl >= 0 and il + fl <= 32):
+        raise ValueError(f"{name} must have il >= 1, fl >= 0 and il + fl <= 32, got il={il}, fl={fl}")
+    return il + fl
 
 
 @_fake("fixed_point_quantize")
 def _fixed_point_quantize_fake(x, il, fl, stochastic, seed, offset, out_dtype):
+    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be a float32, float64, float16 or bfloat16 tensor, got {x.dtype}")
+    wl = _fixed_format_fake(il, fl, "the format")
+    if out_dtype in _CODE_BITS and wl > _CODE_BITS[out_dtype]:
+        raise ValueError(f"out_dtype {out_dtype} cannot hold codes of {wl} bits; use torch.int32")
+    if out_dtype == torch.float32 and wl > 24:
+        raise ValueError(f"out_dtype float32 cannot hold the values of a format with il + fl = {wl} > 24 exactly")
+    if out_dtype not in (torch.int16, torch.int32, torch.float32, torch.float64):
+        raise ValueError(f"out_dtype must be torch.int16, torch.int32, torch.float32 or torch.float64, got {out_dtype}")
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @_fake("fixed_point_matmul")
 def _fixed_point_matmul_fake(a, b, il_a, fl_a, il_b, fl_b, il_out, fl_out, stochastic, seed, offset, out_dtype):
+    for t, name in ((a, "a_codes"), (b, "b_codes")):
+        if t.dtype not in _CODE_BITS or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D int16 or int32 tensor of fixed-point codes, got {t.dtype} of "
+                             f"shape {tuple(t.shape)}")
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b_codes must have {a.shape[1]} rows, the inner dim of a_codes, got shape {tuple(b.shape)}")
+    wls = [_fixed_format_fake(il, fl, name) for il, fl, name in
+           ((il_a, fl_a, "fmt_a"), (il_b, fl_b, "fmt_b"), (il_out, fl_out, "fmt_out"))]
+    if wls[0] > _CODE_BITS[a.dtype] or wls[1] > _CODE_BITS[b.dtype]:
+        raise ValueError("a_codes' and b_codes' dtypes must hold codes of fmt_a and fmt_b")
+    if out_dtype not in _CODE_BITS or wls[2] > _CODE_BITS[out_dtype]:
+        raise ValueError(f"out_dtype must be torch.int16 or torch.int32 and hold codes of fmt_out, got {out_dtype}")
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 

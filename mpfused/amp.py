@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
@@ -169,7 +170,7 @@ def _check_loss_scale(loss_scale) -> Union[str, float]:
         if loss_scale != "dynamic":
             raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {loss_scale!r}")
         return loss_scale
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):  # (numpy scalars too)
         raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {type(loss_scale).__name__} "
                          f"{loss_scale!r}")
     value = float(loss_scale)
@@ -295,12 +296,30 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
         where = f"optimizer {k}" if container not in (None, "single") else "optimizer"
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        if any(o is opt for o in optimizers[:k]):
+            raise ValueError(f"{where} is the same object as optimizer {next(j for j, o in enumerate(optimizers) if o is opt)}; "
+                             "pass each optimizer once (each would become a fused optimizer of its own over the "
+                             "same masters)")
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 if id(p) not in names:
                     raise ValueError(f"{where}: param {pi} of param group {gi} (shape {tuple(p.shape)}, {p.dtype}) "
                                      "is not a parameter of the model; amp.initialize casts the model's params, "
                                      "so every optimized param must belong to it")
+    if props.cast_model and props.keep_batchnorm_fp32:
+        # a param shared by a normalization layer (kept FP32) and another module (cast) cannot be both
+        owners: dict = {}
+        for mname, module in model.named_modules():
+            kind = isinstance(module, NORM_LAYERS)
+            for pname, p in module._parameters.items():
+                if p is None:
+                    continue
+                other = owners.setdefault(id(p), (kind, f"{mname}.{pname}" if mname else pname))
+                if other[0] != kind:
+                    norm, rest = (other[1], f"{mname}.{pname}" if mname else pname)[::1 if other[0] else -1]
+                    raise ValueError(f"parameter {norm!r} of a normalization layer is also {rest!r}: {opt_level} keeps "
+                                     "normalization layers in FP32 and casts the other modules, so a param cannot be "
+                                     "both; untie them, or pass keep_batchnorm_fp32=False")
     low_params = props.cast_model and any(p.is_floating_point() for p in model.parameters())
     needs_masters = low_params and props.master_weights is not False
     for k, opt in enumerate(optimizers):

@@ -4,6 +4,7 @@ hyperparameters, param groups and state), errors, and O2 tracking O0."""
 import copy
 from collections import OrderedDict, namedtuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -440,6 +441,7 @@ def test_an_lr_scheduler_made_before_initialize_warns(device):
     (dict(loss_scale="static"), ValueError, "loss_scale must be \"dynamic\""),
     (dict(loss_scale=True), ValueError, "loss_scale must be \"dynamic\""),
     (dict(loss_scale=torch.tensor(2.0)), ValueError, "loss_scale must be \"dynamic\""),
+    (dict(loss_scale=np.float32("nan")), ValueError, "loss_scale must be a positive"),
     (dict(master_weights="yes"), ValueError, "master_weights must be None, True or False"),
     (dict(keep_batchnorm_fp32=1), ValueError, "keep_batchnorm_fp32 must be None, True or False"),
 ])
@@ -480,6 +482,32 @@ def test_optimizer_over_foreign_params_raises(device):
     with pytest.raises(ValueError, match="optimizer 1: param 0 of param group 1"):
         amp.initialize(model, [torch.optim.SGD(model.parameters(), lr=0.1), opt], "O1")
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_numpy_loss_scale_is_taken(device):
+    _, _, scaler = amp.initialize(net(device), None, "O2", loss_scale=np.float32(128))
+    assert scaler.get_scale() == 128.0
+
+
+def test_the_same_optimizer_twice_raises(device):
+    model = net(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizer 1 is the same object as optimizer 0"):
+        amp.initialize(model, [opt, opt], "O2")
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
+
+
+def test_a_param_tied_between_a_norm_and_another_module_raises(device):
+    """O2 keeps norms FP32 and casts the rest: a param that is both would break one of them."""
+    for first_norm in (True, False):
+        ln, lin = nn.LayerNorm(4, device=device), nn.Linear(4, 4, device=device)
+        lin.bias = ln.weight
+        model = nn.Sequential(ln, lin) if first_norm else nn.Sequential(lin, ln)
+        with pytest.raises(ValueError, match=r"parameter '\d.weight' of a normalization layer is also '\d.bias'"):
+            amp.initialize(model, None, "O2")
+        assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
+    model, _, _ = amp.initialize(nn.Sequential(ln, lin), None, "O2", keep_batchnorm_fp32=False)  # all cast: fine
+    assert lin.weight.dtype == torch.float16 and lin.bias is ln.weight
 
 
 def test_other_bad_inputs(device):

@@ -618,6 +618,50 @@ def test_a_write_of_a_bf16_param_with_a_remainder_stands():
     assert p.tolist() == [0.25] * 3 and bool(((master - 0.25).abs() < 2.0**-10).all())
 
 
+@pytest.mark.parametrize("write", ["zero_", "prune", "inf"])
+def test_a_zero_or_inf_written_into_a_bf16_param_with_a_remainder_stays(write):
+    """The old low bits below a written 0 would make the master a NaN (bits 0x0000 - r wrap to 0xFFFF...)
+    or a tiny value, below an inf a NaN: those remainders become 0."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    opt = FusedSGD([p], lr=1e-3, master_weights="remainder")
+    p.grad = torch.randn(64).to(torch.bfloat16)
+    opt.step()
+    r = opt.state[p]["master_remainder"]
+    assert bool((r < 0).any()) and bool((r > 0).any())  # low bits of both signs below the params
+    mask = torch.arange(64) % 2 == 0
+    with torch.no_grad():
+        if write == "zero_":
+            p.zero_()
+        elif write == "prune":
+            p.mul_(mask)
+        else:
+            p.masked_fill_(~mask, float("inf"))
+    written = torch.ones(64, dtype=torch.bool) if write == "zero_" else ~mask
+    want = p.detach().clone()
+    p.grad = torch.zeros(64, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(bits(p), bits(want)) and not bool(r[written].any())
+    if write != "zero_":
+        assert bool(r[~written].ne(0).any())  # the elements left alone keep their low bits
+
+
+def test_stochastic_masters_beyond_the_largest_finite_value_stay_finite():
+    """With stochastic rounding a master above FP16's 65504 rounds to inf some of the time (the grid's next
+    step); that is the step's own rounding, not a write: the master stays."""
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float16))
+    opt = FusedSGD([p], lr=1.0, master_weights=True, rounding="stochastic", seed=5)
+    p.grad = torch.zeros(64, dtype=torch.float16)
+    opt.step()  # the master: 0
+    opt.state[p]["master_param"].fill_(65520.0)
+    opt.step()
+    assert bool(torch.isinf(p).any()) and bool(torch.isfinite(p).any())
+    with torch.no_grad():
+        p[:1].mul_(1)  # a write that changes nothing moves the version
+    opt.step()
+    assert opt.state[p]["master_param"].tolist() == [65520.0] * 64
+
+
 def fp16_sgd(p, **kw):
     """A FusedSGD on p with its FP32 master made by one step of lr * 1 (lr 1e-4: below FP16's step)."""
     opt = FusedSGD([p], lr=1e-4, **kw)

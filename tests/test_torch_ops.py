@@ -204,6 +204,37 @@ def test_fake_kernel_checks_what_the_shape_depends_on():
         torch.ops.mpfused.gemm(a, torch.empty(5, 3, dtype=torch.float16, device="meta"), out_dtype=torch.float64)
 
 
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: torch.ops.mpfused.gemm(meta(4, 5, dtype=torch.float16), meta(5, 3, dtype=torch.float16),
+                                    meta(4, dtype=torch.float16)), "bias must be 1-D with 3 elements"),
+    (lambda: torch.ops.mpfused.gemm(meta(4, 5, dtype=torch.float16), meta(5, 3, dtype=torch.float16), None, "tanh"),
+     "activation must be None, 'relu'"),
+    (lambda: torch.ops.mpfused.gemm(meta(4, 5, dtype=torch.float16), meta(5, 3, dtype=torch.float16), None, None,
+                                    1.0, 1.0, meta(3, 4)), "c must have the output's shape"),
+    (lambda: torch.ops.mpfused.round_stochastic(meta(4, dtype=torch.int32), torch.float16, 0, 0), "x must be a float32"),
+    (lambda: torch.ops.mpfused.round_stochastic(meta(4), torch.float32, 0, 0), "dtype must be torch.float16"),
+    (lambda: torch.ops.mpfused.fixed_point_quantize(meta(4, dtype=torch.int64), 4, 8, False, 0, 0, torch.int16),
+     "x must be a float32, float64"),
+    (lambda: torch.ops.mpfused.fixed_point_quantize(meta(4), -5, 100, False, 0, 0, torch.int32), "il >= 1"),
+    (lambda: torch.ops.mpfused.fixed_point_quantize(meta(4), 8, 12, False, 0, 0, torch.int16), "cannot hold codes"),
+    (lambda: torch.ops.mpfused.fixed_point_matmul(meta(3, 4, dtype=torch.int16), meta(3, 5, dtype=torch.int16),
+                                                  4, 4, 4, 4, 4, 4, False, 0, 0, torch.int16), "b_codes must have 4 rows"),
+    (lambda: torch.ops.mpfused.fixed_point_matmul(meta(4, dtype=torch.int16), meta(4, 5, dtype=torch.int16),
+                                                  4, 4, 4, 4, 4, 4, False, 0, 0, torch.int16), "a_codes must be a 2-D"),
+    (lambda: torch.ops.mpfused.fixed_point_matmul(meta(3, 4, dtype=torch.int16), meta(4, 5, dtype=torch.int16),
+                                                  4, 4, 4, 4, 20, 4, False, 0, 0, torch.int16), "out_dtype must be"),
+])
+def test_fake_kernels_refuse_what_the_kernels_refuse(call, match):
+    """On meta tensors (and under torch.compile's FakeTensors) the real kernel never runs: its fake must
+    refuse the same arguments, not make up an output."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 def test_subclasses_that_intercept_dispatch_are_refused_and_plain_ones_taken():
     from torch.testing._internal.two_tensor import TwoTensor
 

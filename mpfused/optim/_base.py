@@ -21,6 +21,7 @@ from operator import is_, is_not
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
@@ -357,18 +358,18 @@ def _step_layout(params: list, grads: list, entries: list, versions: bool) -> Op
 
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
-    """(param, master, stochastic) of the plain params among ``params`` that keep an FP32 master (see
-    _follow_writes)."""
+    """(param, master, remainder, stochastic) of the plain params among ``params`` that keep an FP32 master
+    or a BF16 remainder (see _follow_writes)."""
     out = []
     for p, st in zip(params, states):
         if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter):
-            master = st.get("master_param")
-            if master is not None:
-                out.append((p, master, stochastic))
+            master, remainder = st.get("master_param"), st.get("master_remainder")
+            if master is not None or remainder is not None:
+                out.append((p, master, remainder, stochastic))
     return tuple(out)
 
 
-def _follow_writes(followed: tuple, seen: dict) -> None:
+def _follow_writes(followed: tuple, seen) -> None:
     """Where code outside the step wrote a param that keeps an FP32 master (``model.load_state_dict``, an
     ``init_`` or a ``clamp_`` under no_grad, a broadcast), the elements it changed keep what was written:
     their master takes the param's value, as with torch's optimizers, where the param is the weight.
@@ -378,27 +379,44 @@ def _follow_writes(followed: tuple, seen: dict) -> None:
     op on a param moves it; the kernels' own writes do not), or that it never saw (masters made before the
     params were loaded; a loaded optimizer state). Which elements: those where the param is no longer what
     the step wrote from the master, its rounding (to nearest; with stochastic rounding, one of the master's
-    two neighbours in the param's dtype). So a write that changes nothing (an EMA swapped in and back, an
-    Embedding's max_norm renorm that clips no row, a compiled step's copy-back) and the elements a write
-    left alone keep their masters' low bits. Not seen: writes through ``.data`` (a tensor with a version
-    counter of its own), and DTensor and other subclass params (FSDP's flat params). A BF16 remainder needs
-    nothing: the param's bits are the master's high half, so a written value stands, with the old low bits
-    (less than half a step of BF16) below it. The full path calls this, after every check and before the
-    kernels; the planned path leaves a step whose masters' params moved to the full path (_StepPlan)."""
-    for p, master, stochastic in followed:
+    two neighbours in the param's dtype, or infinity where the master lies beyond the largest finite
+    value). So a write that changes nothing (an EMA swapped in and back, an Embedding's max_norm renorm
+    that clips no row, a compiled step's copy-back) and the elements a write left alone keep their masters'
+    low bits. With stochastic rounding a write that lands on one of the master's two neighbours (a clamp_
+    to a bound less than a step below the master) looks like the step's own rounding and is not followed.
+    Not seen: writes through ``.data`` (a tensor with a version counter of its own), and DTensor and other
+    subclass params (FSDP's flat params).
+
+    A BF16 remainder: the param's bits are the master's high half, so a written value stands, with the old
+    low bits (less than half a step of BF16) below it; except where the param is now 0, inf or NaN, whose
+    remainder becomes 0 (the old low bits below a zero would make the master a NaN or a tiny value of either
+    sign, below an inf a NaN).
+
+    The full path calls this, after every check and before the kernels; the planned path leaves a step
+    whose params with masters or remainders moved to the full path (_StepPlan)."""
+    for p, master, remainder, stochastic in followed:
         v = p._version
         if seen.get(p) == v:
             continue
         seen[p] = v
         with torch.no_grad():
             q = p.detach()
+            cpu = q.device.type == "cpu"
+            if remainder is not None:
+                special = (q == 0) | ~torch.isfinite(q)
+                if not cpu or bool(special.any()):  # (CPU: a read, no sync; CUDA: no read)
+                    remainder.masked_fill_(special, 0)
+            if master is None:
+                continue
             if stochastic:  # q is master's rounding down or up: nothing on the grid lies between them
                 qf = q.float()
                 toward = torch.nextafter(q, torch.where(master > qf, math.inf, -math.inf).to(q.dtype)).float()
                 kept = (qf == master) | ((master - qf).abs() < (toward - qf).abs())
+                # beyond the largest finite value the grid's next step is infinity (core/stochastic.h)
+                kept |= torch.isinf(qf) & (master.abs() > torch.finfo(q.dtype).max) & ((master > 0) == (qf > 0))
             else:
                 kept = q == master.to(q.dtype)
-            if master.device.type == "cpu" and bool(kept.all()):
+            if cpu and bool(kept.all()):
                 continue  # (the common case on the CPU: nothing to write; on CUDA no read, the where writes)
             master.copy_(torch.where(kept, master, q.float()))
 
@@ -436,8 +454,8 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``; and the version counter of a plain param with an FP32 master, which a write from outside
-    the step moves: the full path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
+    ``.data``; and the version counter of a plain param with an FP32 master or a remainder, which a write
+    from outside the step moves: the full path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
     last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
     checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
     the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
@@ -789,6 +807,14 @@ class FusedOptimizer(Optimizer):
         its state as flat arrays of the same element order."""
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
+    def _param_versions(self) -> WeakIdKeyDictionary:
+        """Each param's version counter when the last step saw it (_follow_writes), keyed by identity and
+        held weakly: a param dropped from the optimizer is not kept alive."""
+        versions = self.__dict__.get("_mpf_versions")
+        if versions is None:
+            versions = self.__dict__["_mpf_versions"] = WeakIdKeyDictionary()
+        return versions
+
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
         state = self.state.get(p)
         if state is None:
@@ -996,7 +1022,7 @@ class FusedOptimizer(Optimizer):
                 states = [self._state_for(group, p) for p in ps]
                 if not dtensors and not compiling:
                     _follow_writes(_followed(ps, states, group.get("rounding") == "stochastic"),
-                                   self.__dict__.setdefault("_mpf_versions", {}))
+                                   self._param_versions())
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout.
                 grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
