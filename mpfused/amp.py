@@ -308,8 +308,11 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                                      "so every optimized param must belong to it")
     if props.cast_model and props.keep_batchnorm_fp32:
         # a param shared by a normalization layer (kept FP32) and another module (cast) cannot be both
+        # (a ParameterList or ParameterDict only holds params, e.g. a list of those without weight decay)
         owners: dict = {}
         for mname, module in model.named_modules():
+            if isinstance(module, (nn.ParameterList, nn.ParameterDict)):
+                continue
             kind = isinstance(module, NORM_LAYERS)
             for pname, p in module._parameters.items():
                 if p is None:
@@ -352,6 +355,9 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     if props.cast_model:
         originals, seen = {}, set()
         keep_norms = bool(props.keep_batchnorm_fp32)
+        if keep_norms:  # the norms' params stay FP32 wherever else they are held (a ParameterList)
+            seen.update(id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
+                        for p in m._parameters.values() if p is not None)
         for module in model.modules():
             if keep_norms and isinstance(module, NORM_LAYERS):
                 # FP32 params and statistics; FP32 in, the model's dtype out.

@@ -510,6 +510,32 @@ def test_a_param_tied_between_a_norm_and_another_module_raises(device):
     assert lin.weight.dtype == torch.float16 and lin.bias is ln.weight
 
 
+class HeldNorm(nn.Module):
+    """A norm whose params a ParameterList also holds (e.g. the params without weight decay)."""
+
+    def __init__(self, device, list_first):
+        super().__init__()
+        ln = nn.LayerNorm(4, device=device)
+        if list_first:
+            self.held = nn.ParameterList([ln.weight, ln.bias])
+        self.lin, self.ln = nn.Linear(4, 4, device=device), ln
+        if not list_first:
+            self.held = nn.ParameterList([ln.weight, ln.bias])
+
+    def forward(self, x):
+        return self.ln(self.lin(x))
+
+
+def test_a_norms_params_held_in_a_parameter_list_stay_fp32(device):
+    """Not a tie, and the norm's params stay FP32 whether the list or the norm comes first."""
+    for list_first in (True, False):
+        model = HeldNorm(device, list_first)
+        amp.initialize(model, None, "O2")
+        assert model.ln.weight.dtype == model.ln.bias.dtype == torch.float32
+        assert model.lin.weight.dtype == torch.float16
+        assert model(torch.randn(2, 4, device=device)).dtype == torch.float32
+
+
 def test_other_bad_inputs(device):
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         amp.initialize([nn.Linear(2, 2)], None, "O2")

@@ -620,8 +620,8 @@ def test_a_write_of_a_bf16_param_with_a_remainder_stands():
 
 @pytest.mark.parametrize("write", ["zero_", "prune", "inf"])
 def test_a_zero_or_inf_written_into_a_bf16_param_with_a_remainder_stays(write):
-    """The old low bits below a written 0 would make the master a NaN (bits 0x0000 - r wrap to 0xFFFF...)
-    or a tiny value, below an inf a NaN: those remainders become 0."""
+    """A negative remainder below a written 0 would make the master a NaN (bits 0x0000 - r wrap to
+    0xFFFF...), a positive one below an inf too: those remainders become 0."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
     opt = FusedSGD([p], lr=1e-3, master_weights="remainder")
@@ -641,9 +641,28 @@ def test_a_zero_or_inf_written_into_a_bf16_param_with_a_remainder_stays(write):
     want = p.detach().clone()
     p.grad = torch.zeros(64, dtype=torch.bfloat16)
     opt.step()
-    assert torch.equal(bits(p), bits(want)) and not bool(r[written].any())
+    j = joined(p, r)
+    master = torch.where(j >= 2**31, j - 2**32, j).to(torch.int32).view(torch.float32)
+    assert torch.equal(bits(p), bits(want)) and not bool(master.isnan().any())
+    if write != "inf":
+        assert bool((master[written].abs() < 2.0**-126).all())  # a written 0: at most a subnormal below it
     if write != "zero_":
         assert bool(r[~written].ne(0).any())  # the elements left alone keep their low bits
+
+
+def test_a_master_within_half_a_step_of_2_to_128_survives_a_write_elsewhere():
+    """Such a master is an inf param over a negative remainder (csrc/core/master_split.h): a real split, not
+    a stale one, whatever moved the version."""
+    p = torch.nn.Parameter(torch.full((4,), 3.3895e38, dtype=torch.bfloat16))
+    opt = FusedSGD([p], lr=1.0, master_weights="remainder")
+    p.grad = torch.full((4,), -1e36, dtype=torch.bfloat16)
+    opt.step()
+    assert bool(p.isinf().all())
+    with torch.no_grad():
+        p[:1].mul_(1)
+    p.grad = torch.full((4,), 1e36, dtype=torch.bfloat16)
+    opt.step()
+    assert bool(p.isfinite().all())
 
 
 def test_stochastic_masters_beyond_the_largest_finite_value_stay_finite():

@@ -388,9 +388,10 @@ def _follow_writes(followed: tuple, seen) -> None:
     subclass params (FSDP's flat params).
 
     A BF16 remainder: the param's bits are the master's high half, so a written value stands, with the old
-    low bits (less than half a step of BF16) below it; except where the param is now 0, inf or NaN, whose
-    remainder becomes 0 (the old low bits below a zero would make the master a NaN or a tiny value of either
-    sign, below an inf a NaN).
+    low bits (less than half a step of BF16) below it; except where those would make the master a NaN: a
+    negative remainder below a written 0 (of either sign: the bits wrap), a positive one below an inf. Those
+    remainders become 0. (A negative one below an inf is a real split: a master within half a step of
+    2^128, which the kernel writes as inf; a positive one below a 0, a master below 2^-133.)
 
     The full path calls this, after every check and before the kernels; the planned path leaves a step
     whose params with masters or remainders moved to the full path (_StepPlan)."""
@@ -403,9 +404,9 @@ def _follow_writes(followed: tuple, seen) -> None:
             q = p.detach()
             cpu = q.device.type == "cpu"
             if remainder is not None:
-                special = (q == 0) | ~torch.isfinite(q)
-                if not cpu or bool(special.any()):  # (CPU: a read, no sync; CUDA: no read)
-                    remainder.masked_fill_(special, 0)
+                nan = ((q == 0) & (remainder < 0)) | (torch.isinf(q) & (remainder > 0))
+                if not cpu or bool(nan.any()):  # (CPU: a read, no sync; CUDA: no read)
+                    remainder.masked_fill_(nan, 0)
             if master is None:
                 continue
             if stochastic:  # q is master's rounding down or up: nothing on the grid lies between them
