@@ -7,8 +7,8 @@
 //     128-bit copies; on sm_80+ cp.async, so that the copies of the next stages overlap the MMAs of
 //     this one; on sm_75 plain 128-bit loads and stores;
 //   - element path (any leading dimension): 16-bit loads, still through the same stages.
-// Tails in M, N and K are zero-filled on the way into shared memory (cp.async's src-size), so the MMAs
-// never branch. Each operand tile is staged in its own global layout (row- or column-major), padded by
+// Tails in M, N and K are zero-filled on the way into shared memory, so the MMAs never branch: a vector
+// that lies whole inside the operand is one 16-byte copy, a tail is read element by element (copy16). Each operand tile is staged in its own global layout (row- or column-major), padded by
 // 8 elements per row against bank conflicts, and read with the matching wmma layout: a transposed view
 // costs nothing.
 //
@@ -88,23 +88,26 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes, of which the first `bytes` come from src and the rest are zero.
+// 16 bytes, of which the first `bytes` (0 to 16, even) come from src and the rest are zero; src is not read
+// when bytes is 0. A whole vector is one 16-byte copy (cp.async on sm_80+). A tail is read element by element
+// and stored at once, never through cp.async's src-size: compute-sanitizer's memcheck takes a 16-byte cp.async
+// for a 16-byte read whatever its src-size, and on an H200 it reported the tail of an operand's last row as a
+// read past its allocation. Tails lie at the operand's edges only, and a plain store into a stage is at least
+// as ordered as a copy into it (a stage is refilled only after every warp is done reading it).
 __device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, int bytes) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes) : "memory");
-#else
-  uint4 v = make_uint4(0, 0, 0, 0);
   if (bytes == 16) {
-    v = *reinterpret_cast<const uint4*>(src);
-  } else {  // a tail: element by element, never reading past the operand
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (2 * i < bytes) w[i / 2] |= static_cast<uint32_t>(src[i]) << (16 * (i % 2));
-    v = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  *reinterpret_cast<uint4*>(dst) = v;
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 #endif
+    return;
+  }
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (2 * i < bytes) w[i / 2] |= static_cast<uint32_t>(src[i]) << (16 * (i % 2));
+  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -153,8 +156,7 @@ struct TileCopier {
   }
 
   // Copies the tile whose K extent left is k_left (K - k0) into dst, then advances to the next K tile.
-  // `valid` is any address inside the operand: a copy of zero bytes still names a source address.
-  __device__ __forceinline__ void copy(uint16_t* dst, int64_t k_left, const void* valid) {
+  __device__ __forceinline__ void copy(uint16_t* dst, int64_t k_left) {
     // The extent of this thread's copies along K: rows (kKRows) or columns.
     const int64_t k_here = kKRows ? k_left - row : k_left - col;
 #pragma unroll
@@ -165,7 +167,7 @@ struct TileCopier {
       uint16_t* d = dst + (row + i * kRowStep) * kLd + col;
       if constexpr (kVector) {
         const int bytes = rows_in <= 0 ? 0 : cols_in >= 8 ? 16 : cols_in > 0 ? static_cast<int>(cols_in) * 2 : 0;
-        copy16(d, bytes > 0 ? s : static_cast<const uint16_t*>(valid), bytes);
+        copy16(d, s, bytes);
       } else {
         *d = rows_in > 0 && cols_in > 0 ? *s : uint16_t{0};
       }
@@ -264,8 +266,8 @@ __device__ __forceinline__ void gemm_body(const KernelParams& kp) {
     int64_t k_loaded = 0;
     auto load_stage = [&](int stage) {
       uint16_t* sa = smem + stage * kStageElems<kACol, kBCol>;
-      copy_a.copy(sa, g.k - k_loaded, g.a.data);
-      copy_b.copy(sa + ATileT::kElems, g.k - k_loaded, g.b.data);
+      copy_a.copy(sa, g.k - k_loaded);
+      copy_b.copy(sa + ATileT::kElems, g.k - k_loaded);
       k_loaded += kGemmBlockK;
     };
 
@@ -403,10 +405,10 @@ static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per r
 // Copies one operand's tile for one K step into shared memory at dst (1024-byte aligned). kRows is the tile's
 // extent along M or N. K-major (kKMajor): element (r, k) of the tile is at src[r * ld + k]; MN-major: at
 // src[k * ld + r]. rows_left and k_left: the elements that exist from the tile's origin on (the rest reads
-// as zero). `valid` is any address of the operand: a copy of zero bytes still names a source.
+// as zero).
 template <int kRows, bool kKMajor>
 __device__ __forceinline__ void sm90_load_tile(unsigned char* dst, const uint16_t* src, int64_t ld, int64_t rows_left,
-                                               int64_t k_left, const void* valid) {
+                                               int64_t k_left) {
   constexpr int kChunks = kRows * kSm90BlockK / 8;  // 16-byte copies
   static_assert(kChunks % kSm90Threads == 0, "the copies divide among the threads");
 #pragma unroll
@@ -431,7 +433,7 @@ __device__ __forceinline__ void sm90_load_tile(unsigned char* dst, const uint16_
            sm90::swizzle128(static_cast<uint32_t>(kl * sm90::kLineBytes + c * 16));
     }
     const int bytes = in_fixed <= 0 || in_contig <= 0 ? 0 : in_contig >= 8 ? 16 : static_cast<int>(in_contig) * 2;
-    copy16(reinterpret_cast<uint16_t*>(dst + to), bytes > 0 ? src + from : static_cast<const uint16_t*>(valid), bytes);
+    copy16(reinterpret_cast<uint16_t*>(dst + to), src + from, bytes);
   }
 }
 
@@ -464,9 +466,9 @@ __device__ __forceinline__ void gemm_body_sm90(const KernelParams& kp) {
     auto load_stage = [&](int64_t kt) {
       unsigned char* sa = smem + static_cast<int>(kt % kSm90Stages) * kSm90StageBytes;
       const int64_t k0 = kt * kSm90BlockK;
-      sm90_load_tile<kSm90BlockM, !kACol>(sa, a0 + (kACol ? k0 * g.a.ld : k0), g.a.ld, g.m - m0, g.k - k0, g.a.data);
+      sm90_load_tile<kSm90BlockM, !kACol>(sa, a0 + (kACol ? k0 * g.a.ld : k0), g.a.ld, g.m - m0, g.k - k0);
       sm90_load_tile<kSm90BlockN, kBCol>(sa + kSm90ATileBytes, b0 + (kBCol ? k0 : k0 * g.b.ld), g.b.ld, g.n - n0,
-                                         g.k - k0, g.b.data);
+                                         g.k - k0);
     };
 
     float acc[128];

@@ -129,8 +129,8 @@ def _asm_call(m: re.Match) -> str:
         return f"::mpf_sim::wgmma_wait({operands[0]});"
     if insn == "fence.proxy.async.shared::cta":
         return "::mpf_sim::fence_proxy_async();"
-    if insn.startswith("cp.async.cg.shared.global") and insn.endswith("16, %2"):
-        dst, src, size = operands
+    if insn.startswith("cp.async.cg.shared.global") and insn.endswith(("16, %2", "[%1], 16")):
+        dst, src, size = operands if len(operands) == 3 else (*operands, "16")
         inner = re.fullmatch(r"smem_addr\((.*)\)", dst)
         if not inner:
             raise ValueError(f"cp.async destination {dst!r}: expected smem_addr(pointer)")

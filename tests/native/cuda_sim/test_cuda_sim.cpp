@@ -731,12 +731,17 @@ void gemm_case(const GemmCase& gc, std::mt19937& rng) {
   const int64_t lda = ld_of(gc.a_col ? gc.m : gc.k), ldb = ld_of(gc.b_col ? gc.k : gc.n);
   const int64_t a_outer = gc.a_col ? gc.k : gc.m, b_outer = gc.b_col ? gc.n : gc.k;
   const int64_t a_stride = a_outer * lda, b_stride = gc.b_shared ? 0 : b_outer * ldb;
-  Buf a(static_cast<size_t>(gc.batch * a_stride) * es, base * es),
-      b(static_cast<size_t>((gc.b_shared ? 1 : gc.batch) * b_outer * ldb) * es, base * es);
+  // Each buffer ends at its operand's last element, with no padding after the last row (a tight torch view,
+  // e.g. x[:, :k] of a wider x): a copy of a row's tail that reads past it reads past the allocation.
+  auto span = [](int64_t batches, int64_t stride, int64_t outer, int64_t ld, int64_t inner) {
+    return batches == 0 || outer == 0 || inner == 0 ? int64_t{0} : (batches - 1) * stride + (outer - 1) * ld + inner;
+  };
+  const int64_t a_elems = span(gc.batch, a_stride, a_outer, lda, gc.a_col ? gc.m : gc.k);
+  const int64_t b_elems = span(gc.b_shared ? 1 : gc.batch, b_stride, b_outer, ldb, gc.b_col ? gc.k : gc.n);
+  Buf a(static_cast<size_t>(a_elems) * es, base * es), b(static_cast<size_t>(b_elems) * es, base * es);
   std::uniform_int_distribution<int> small(-2, 2);
-  for (int64_t i = 0; i < gc.batch * a_stride; ++i) a.as<uint16_t>()[i] = store16(gc.in, static_cast<float>(small(rng)));
-  for (int64_t i = 0; i < (gc.b_shared ? 1 : gc.batch) * b_outer * ldb; ++i)
-    b.as<uint16_t>()[i] = store16(gc.in, static_cast<float>(small(rng)));
+  for (int64_t i = 0; i < a_elems; ++i) a.as<uint16_t>()[i] = store16(gc.in, static_cast<float>(small(rng)));
+  for (int64_t i = 0; i < b_elems; ++i) b.as<uint16_t>()[i] = store16(gc.in, static_cast<float>(small(rng)));
   const int64_t c_elems = gc.c ? (gc.c_batched ? gc.batch : 1) * gc.m * gc.n : 0;
   Buf c(static_cast<size_t>(c_elems * dtype_size(gc.c_dtype)), 0), bias(gc.bias ? static_cast<size_t>(gc.n) * 2 : 0, 0);
   for (int64_t i = 0; i < c_elems; ++i) store(c, gc.c_dtype, i, static_cast<float>(small(rng)) * 0.5f);
