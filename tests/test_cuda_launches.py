@@ -39,6 +39,7 @@ def check(tensors, device, inv=None, unscale=False):
 
 
 # ---- long lists: more tensors than one launch holds -----------------------------------------------------
+@pytest.mark.sanitize
 def test_more_than_1024_grads_in_one_check(device):
     """2,500 tensors of mixed dtypes and sizes (3 launches on CUDA: 1,024 per launch): the flag, the sum of
     squares and the unscale cover every tensor; an inf in the very last one is found."""
@@ -60,6 +61,7 @@ def test_more_than_1024_grads_in_one_check(device):
     assert check(tensors, device)[0] == 1.0
 
 
+@pytest.mark.sanitize
 def test_more_than_384_params_in_one_step(device):
     """A FusedAdamW group of 900 params (3 launches on CUDA: 384 per launch) with weight decay, 5 steps:
     every param follows torch's AdamW, and every step count is 5."""
@@ -81,6 +83,7 @@ def test_more_than_384_params_in_one_step(device):
 
 
 # ---- misaligned starts: storage offsets of 1 to 7 elements ----------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", range(1, 8))
 def test_storage_offsets_give_the_bits_of_aligned_tensors(device, dtype, offset):
@@ -105,6 +108,7 @@ def test_storage_offsets_give_the_bits_of_aligned_tensors(device, dtype, offset)
     assert check([view], device)[0] == 1.0
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("offset", range(1, 8))
 def test_optimizer_on_misaligned_params_and_grads_gives_the_aligned_bits(device, dtype, offset):
@@ -145,6 +149,7 @@ def operand(rows, cols, batch, transposed, dtype, device, gen):
 LAYOUTS = {"nn": (False, False), "tn": (True, False), "nt": (False, True), "tt": (True, True)}
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("m,n,k,batch", [(1100, 72, 47, None), (1153, 130, 95, 2), (8, 8, 13, 65_537),
@@ -192,6 +197,7 @@ def test_sum_of_squares_over_10000_blocks_is_bitwise_repeatable():
 
 
 # ---- CUDA: streams, graph capture and the borrowed counters ---------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.cuda
 @requires_cuda
 def test_counters_are_per_stream_and_none_while_capturing():
@@ -217,6 +223,7 @@ def test_counters_are_per_stream_and_none_while_capturing():
     assert len(store) == 3 and torch.equal(y, x * 2)
 
 
+@pytest.mark.sanitize
 @pytest.mark.cuda
 @requires_cuda
 def test_two_streams_at_once_give_the_single_stream_results():

@@ -74,6 +74,7 @@ def test_encode_matches_the_exact_reference(fmt, rounding, device):
     assert expected.min() >= -(2 ** (il + fl - 1)) and expected.max() <= 2 ** (il + fl - 1) - 1
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_quantize_is_decode_of_encode_and_on_the_grid(fmt, device):
     il, fl = fmt
@@ -141,6 +142,7 @@ def test_stochastic_rounding_is_unbiased(p, device):
         assert abs(ups - n * frac) <= SR_SIGMAS * sigma, (a, p, ups, n * frac, sigma)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_offset_slicing(rounding, device):
     x = torch.randn(5003, generator=torch.Generator().manual_seed(2)).to(device) * 3
@@ -154,6 +156,7 @@ def test_offset_slicing(rounding, device):
                        fxp.quantize(m.t().contiguous(), 3, 12, rounding=rounding, seed=5))
 
 
+@pytest.mark.sanitize
 def test_stochastic_convert_across_a_carry_of_the_block_counter(device):
     # The Philox block index (element index / 8) carries out of its low 32-bit word inside the tensor, which
     # starts off a block boundary. The reference words come from the raw generator
@@ -234,6 +237,7 @@ def test_matmul_matches_python_integers(m, k, n, fa, fb, fo, rounding, seed, off
     assert out.tolist() == ref_matmul(a, b, fa, fb, fo, rounding, seed, offset)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("fo", [(2, 0), (8, 24), (16, 16), (1, 31), (20, 2)])
 def test_matmul_wide_formats_and_large_shifts(fo, device):
     # 32- and 31-bit codes, K = 2 (32 + 31 + 1 = 64: the widest MACC allowed): sums up to 2^62, shifts up
@@ -307,6 +311,7 @@ def test_bad_convert_arguments(call, exc, name):
     assert torch.equal(x, before)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("fmt", [(4, 12), (12, 12), (16, 16), (1, 0)], ids=str)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_out_argument_writes_the_allocating_result(fmt, rounding, device):
@@ -426,6 +431,7 @@ def test_format_dataclass():
 
 
 # ---- CUDA == CPU, bit for bit -------------------------------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.cuda
 def test_cuda_matches_cpu_bit_for_bit(device):
     if device != "cuda":

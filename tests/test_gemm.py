@@ -164,6 +164,7 @@ def int_problem(device, dtype, m=37, n=45, k=29, batch=None, seed=0):
     return a, b, torch.matmul(a.double().cpu(), b.double().cpu()), gen
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "relu"])
@@ -178,6 +179,7 @@ def test_bias_and_relu_bitwise(device, dtype, bias_dtype, activation):
         assert (out >= 0).all() and (out == 0).any() and (out > 0).any()
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("activation", ["gelu", "gelu_erf"])
 def test_gelu_against_torch(device, dtype, activation):
@@ -195,6 +197,7 @@ def test_gelu_against_torch(device, dtype, activation):
     assert not torch.equal(tanh, erf)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("c_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_alpha_beta_c_bitwise(device, dtype, c_dtype):
@@ -212,6 +215,7 @@ def test_alpha_beta_c_bitwise(device, dtype, c_dtype):
     assert_bitwise(out, ref_epilogue(acc, alpha=0.5, beta=2.0, c=ct))
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 def test_c_broadcast_over_batch_and_per_batch(device, dtype):
     a, b, acc, gen = int_problem(device, dtype, batch=3)
@@ -238,6 +242,7 @@ def test_beta_zero_does_not_read_c(device, dtype):
     assert mpfused.gemm(a, b, c=nan_c, beta=1.0).isnan().all()
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_erf"])
 def test_pre_activation_is_the_value_before_the_activation(device, activation):
     a, b, acc, gen = int_problem(device, torch.bfloat16)
@@ -248,6 +253,7 @@ def test_pre_activation_is_the_value_before_the_activation(device, activation):
     assert (pre is out) == (activation is None)
 
 
+@pytest.mark.sanitize
 def test_k_zero_is_the_epilogue_of_zero(device):
     a = torch.empty(5, 0, dtype=torch.float16, device=device)
     b = torch.empty(0, 4, dtype=torch.float16, device=device)
@@ -258,6 +264,7 @@ def test_k_zero_is_the_epilogue_of_zero(device):
     assert_bitwise(mpfused.gemm(a, b), torch.zeros(5, 4, dtype=torch.float16))
 
 
+@pytest.mark.sanitize
 def test_empty_outputs(device):
     h = dict(dtype=torch.float16, device=device)
     assert mpfused.gemm(torch.empty(0, 3, **h), torch.ones(3, 4, **h)).shape == (0, 4)
@@ -269,6 +276,7 @@ def test_empty_outputs(device):
 
 
 # ---- operand layouts -----------------------------------------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 def test_unaligned_leading_dims_and_views(device, dtype):
     gen = torch.Generator().manual_seed(5)
@@ -289,6 +297,7 @@ def test_unaligned_leading_dims_and_views(device, dtype):
             assert_bitwise(mpfused.gemm(a, b, out_dtype=out_dtype), reference(a, b, out_dtype))
 
 
+@pytest.mark.sanitize
 def test_size_one_dims_with_arbitrary_strides(device):
     gen = torch.Generator().manual_seed(9)
     big = ints((4000,), torch.float16, device, gen)
@@ -309,6 +318,7 @@ def test_size_one_dims_with_arbitrary_strides(device):
         assert_bitwise(mpfused.gemm(a, col), reference(a, col, None))
 
 
+@pytest.mark.sanitize
 def test_batched_operand_layouts(device):
     gen = torch.Generator().manual_seed(11)
     dtype = torch.bfloat16

@@ -206,6 +206,7 @@ def scaled_step(params, opt, scaler, gs, device):
     scaler.update()
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_grad_scaler_skips_an_overflowing_step_bitwise_then_matches(device, dtype):
     init, grads = make_data(steps=3)
@@ -319,6 +320,7 @@ def offset_param(t, device, offset):
     return torch.nn.Parameter(base[offset:].view(t.shape))
 
 
+@pytest.mark.sanitize
 def test_multi_chunk_empty_and_misaligned_tensors_match_the_reference(device):
     """Tensors of several chunks (the per-tensor sums add several partials), an empty tensor (its step is
     still counted, as torch counts it) and a param at a storage offset of one element, over three steps."""

@@ -142,6 +142,7 @@ def scaled_step(params, opt, scaler, gs, device):
     scaler.update()
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grad_scaler_skips_an_overflowing_step_bitwise_then_matches(device, dtype):
     init, grads = make_data(steps=3)
@@ -238,6 +239,7 @@ def test_invalid_group_value_makes_step_raise_before_anything_is_written(device,
 BIG_SHAPES = [(70001,), (0,), (65537,), (3,)]  # more than one work item; params 0, 1 in group 0
 
 
+@pytest.mark.sanitize
 def test_multi_chunk_empty_and_misaligned_tensors_match_the_reference(device):
     """Tensors of several chunks, an empty tensor and a param at a storage offset of one element. Every
     element's gradient keeps one sign over the run and |g| >= 0.5, so |c| stays far from 0 (the margin

@@ -68,6 +68,7 @@ def check_against_float64(device, dtype, activation, x_shape, autocast):
         assert e_ours <= LINEAR_VS_TORCH_FACTOR * e_torch + ROUNDING_UNIT[dtype], (name, e_ours, e_torch)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_forward_and_gradients_under_autocast(device, dtype, activation):
@@ -80,6 +81,7 @@ def test_forward_and_gradients_with_low_precision_weights(device, dtype, activat
     check_against_float64(device, dtype, activation, (17, 33), autocast=False)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activation_backward_is_torchs(device, dtype, activation):

@@ -132,6 +132,7 @@ def test_transformer_trained_100_steps_matches_torch(device):
 
 
 # ---- FP16/BF16 params with FP32 master weights -----------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("case", ["adamw-amsgrad-wd", "adam", "sgd-dampening-wd"])
 def test_master_weights_match_torch_on_an_fp32_copy_with_unscaled_grads(device, dtype, case):
@@ -206,6 +207,7 @@ def snapshot(opt, params):
     return [p.detach().clone() for p in params], copy.deepcopy({id(k): v for k, v in opt.state.items()})
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("found", [1.0, 2.0])
 @pytest.mark.parametrize("case", ["adamw-amsgrad-wd", "sgd-dampening-wd"])
 def test_skipped_step_leaves_everything_bitwise_unchanged(device, case, found):

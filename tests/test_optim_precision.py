@@ -475,6 +475,7 @@ REMAINDER_CASES = {
 }
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("case", sorted(REMAINDER_CASES))
 def test_remainder_master_is_bit_identical_to_fp32_masters(device, case):
     """40 steps with the same gradients, among them skipped steps (found_inf) and scaled steps (the kernel
@@ -804,6 +805,7 @@ def test_masters_keep_their_bits_when_nothing_else_writes_the_params():
 
 
 # ---- CUDA against the CPU ---------------------------------------------------------------------------------
+@pytest.mark.sanitize
 @requires_cuda
 @pytest.mark.parametrize("mode", [dict(master_weights=False, rounding="stochastic"),
                                   dict(master_weights=True, rounding="stochastic"),

@@ -54,6 +54,7 @@ CHECK_MODES = {"check": lambda d: {}, "sumsq": lambda d: dict(sumsq=flag(d)),
                "scaled-sumsq": lambda d: dict(inv_scale=flag(d, 1.0 / 1024), sumsq=flag(d))}
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("mode", list(CHECK_MODES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "+inf", "-inf"])
@@ -109,6 +110,7 @@ def test_flag_already_set_stays_set(device):
         assert found.item() == initial
 
 
+@pytest.mark.sanitize
 def test_bad_tensor_in_a_later_launch_of_a_long_list(device):
     lim = overflow_limits(device)
     n = min(lim["max_tensors"], 1000) * 2 + 3  # beyond one launch's tensor capacity on CUDA
@@ -121,6 +123,7 @@ def test_bad_tensor_in_a_later_launch_of_a_long_list(device):
     assert found.item() == 1.0
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_list_of_many_chunks_and_partial_chunks(device, dtype):
     """40 work items: full chunks and one-element tails. (A launch holds 2^30 chunks on CUDA, 2^46 elements:
@@ -165,6 +168,7 @@ def test_cuda_tensor_beyond_2_to_the_31_elements():
 
 
 # ---- sum of squares ---------------------------------------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sumsq_matches_float64(device, dtype):
     torch.manual_seed(0)
@@ -248,6 +252,7 @@ def test_sumsq_is_deterministic_across_thread_counts():
 
 
 # ---- unscale ------------------------------------------------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inv_scale", [1.0 / 65536, 1.0 / 3, 2.0**-30, 1000.0])
 def test_unscale_is_bitwise_torchs_multiply(device, dtype, inv_scale):
@@ -262,6 +267,7 @@ def test_unscale_is_bitwise_torchs_multiply(device, dtype, inv_scale):
     assert found.item() == 0.0  # the check is on the values before unscaling
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unscale_matches_torch_amp_kernel_with_non_finite_values(device, dtype):
     torch.manual_seed(4)
@@ -329,6 +335,7 @@ def test_accumulating_call_with_nothing_to_check_still_writes_the_norm(device, t
     assert (found.item(), sumsq.item(), norm.item()) == (0.0, 9.0, 3.0)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_overwrite_mode_replaces_stale_results_and_writes_the_norm(device, dtype):
     tensors = [torch.randn(n, device=device).to(dtype) for n in (3, 70_000, 1000)]

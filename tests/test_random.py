@@ -31,6 +31,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("kat", KATS, ids=["zeros", "ones", "pi"])
 def test_philox_known_answers(device, kat):
     ctr, key, out = kat
@@ -51,6 +52,7 @@ def reference_words(n: int, seed: int, offset: int, stream=(0, 0)) -> list:
     return out
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("offset", [0, 3, 8, 2**35 - 5, 8 * 0xFFFFFFFF - 13])
 def test_words_follow_the_documented_mapping(device, offset):
     seed = 0x0123456789ABCDEF
@@ -118,6 +120,7 @@ def test_round_to_nearest_would_be_biased_where_sr_is_not():
     assert abs(round_stochastic(x, torch.float16, seed=0).double().mean().item() - (1 + 2.0**-12)) < 2.0**-16
 
 
+@pytest.mark.sanitize
 def test_overflow_and_specials(device):
     n = 1 << 16
     # FP16: between the largest finite value 65504 and 2^16 the step is 32, and that step is inf.
@@ -229,6 +232,7 @@ def fp16_shortcut_inputs() -> np.ndarray:
     return np.concatenate([plain, spiked])
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("k", [1, 7, 8, 13, 4096, 100001])
 def test_a_slice_with_its_offset_gives_the_same_bits(device, dtype, k):
@@ -266,6 +270,7 @@ def test_seed_keys_the_bits():
     assert not torch.equal(a, bits(round_stochastic(x, torch.bfloat16, seed=1 + 2**32))), "the seed's high word counts"
 
 
+@pytest.mark.sanitize
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOWP)
 def test_cuda_gives_the_cpu_bits(dtype):

@@ -45,6 +45,7 @@ def run_pattern(scaler, overflow_pattern, device):
 PATTERN = [0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
 
 
+@pytest.mark.sanitize
 def test_scale_and_growth_tracker_follow_torch_exactly(device):
     kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=3)
     ours = run_pattern(mpfused.GradScaler(device, **kw), PATTERN, device)
@@ -53,6 +54,7 @@ def test_scale_and_growth_tracker_follow_torch_exactly(device):
     assert len({s for s, _ in ours}) >= 3  # the scale went up and down
 
 
+@pytest.mark.sanitize
 def test_hysteresis_tolerates_k_minus_1_consecutive_overflows(device):
     scaler = mpfused.GradScaler(device, init_scale=1024.0, growth_interval=100, hysteresis=3)
     scales = [s for s, _ in run_pattern(scaler, [1, 1, 0, 1, 1, 1, 1, 1, 1], device)]
@@ -60,6 +62,7 @@ def test_hysteresis_tolerates_k_minus_1_consecutive_overflows(device):
     assert scales == [1024.0, 1024.0, 1024.0, 1024.0, 1024.0, 512.0, 512.0, 512.0, 256.0]
 
 
+@pytest.mark.sanitize
 def test_min_and_max_scale_clamp(device):
     up = mpfused.GradScaler(device, init_scale=2.0**20, growth_interval=1, max_scale=2.0**22)
     assert [s for s, _ in run_pattern(up, [0] * 5, device)] == [2.0**21, 2.0**22, 2.0**22, 2.0**22, 2.0**22]
@@ -102,6 +105,7 @@ def test_skipped_step_leaves_params_and_state_bitwise_unchanged(device):
     assert scaler.get_scale() == 128.0
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("unscale_after", [False, True], ids=["fused-clip", "clip-then-unscale"])
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
 def test_fused_clipping_equals_torch_clip_on_unscaled_grads(device, max_norm, unscale_after):
@@ -581,6 +585,7 @@ def test_fused_iteration_reads_nothing_on_the_host(device, monkeypatch):
 
 
 # ---- CUDA only -------------------------------------------------------------------------------------
+@pytest.mark.sanitize
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_iteration_never_syncs():
