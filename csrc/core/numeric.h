@@ -115,11 +115,19 @@ MPF_HD uint16_t float_to_f16_bits(float f) {
 MPF_HD float bf16_bits_to_float(uint16_t h) { return bits_as_float(static_cast<uint32_t>(h) << 16); }
 
 MPF_HD uint16_t float_to_bf16_bits(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // One conversion instruction (two values per instruction where the compiler pairs them) in place of the
+  // integer rounding below: the same bits for every non-NaN input. The hardware's NaN is 0x7FFF; the host's
+  // 0x7FC0 is kept. In the optimizer's loops the integer rounding cost about 15 instructions an element.
+  const uint16_t h = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  return f != f ? static_cast<uint16_t>(0x7FC0u) : h;
+#else
   const uint32_t u = float_as_bits(f);
   // Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate. A NaN becomes
   // the quiet NaN 0x7FC0 (rounding could otherwise carry a NaN's payload into an inf).
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>(select_bits((u & 0x7fffffffu) > 0x7f800000u, 0x7FC0u, rounded));
+#endif
 }
 
 // ---- per-dtype access, so templated loops read the same for every storage format ---------------

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "../core/numeric.h"  // as csrc/cuda/ includes it (rewrite.py resolves it against csrc/)
+
 namespace mpf_sim_selftest {
 namespace {
 
@@ -56,7 +58,22 @@ __global__ void shared_overrun(int* out, int index) {
   if (threadIdx.x == 0) *out = p[index];
 }
 
+// The device side of core/numeric.h's narrowings (not a defect: the conversions the kernels store with),
+// one element a thread.
+__global__ void narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) {
+    bf16[i] = mpf::float_to_bf16_bits(in[i]);
+    f16[i] = mpf::float_to_f16_bits(in[i]);
+  }
+}
+
 }  // namespace
+
+int run_narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n) {
+  narrow<<<(n + 255) / 256, 256>>>(in, bf16, f16, n);
+  return static_cast<int>(cudaGetLastError());
+}
 
 // Each returns the launch's cudaError_t (as int).
 int run_missing_barrier(float* out, bool barrier) {

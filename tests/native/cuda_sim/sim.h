@@ -279,6 +279,24 @@ inline __half __float2half_rn(float f) {
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.__x; }
 inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<unsigned int>(h.__x) << 16); }
+// cvt.rn.bf16.f32 (sm_80+), modelled from its definition rather than the kernels' integer rounding: of the two
+// BF16 values around f (truncation toward zero, and the next one away from zero, 2^128 standing for inf), the
+// nearer in double precision, the one with an even last bit on a tie; subnormals kept; a NaN becomes the
+// canonical 0x7FFF.
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  if (std::isnan(f)) return __nv_bfloat16{0x7fff};
+  const unsigned int u = __float_as_uint(f);
+  const unsigned short lo = static_cast<unsigned short>(u >> 16);
+  if ((u & 0xffffu) == 0) return __nv_bfloat16{lo};  // on the grid (zeros and infinities included)
+  const unsigned short hi = static_cast<unsigned short>(lo + 1);
+  auto magnitude = [](unsigned short b) {
+    return (b & 0x7fffu) == 0x7f80u ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(__uint_as_float(static_cast<unsigned int>(b) << 16)));
+  };
+  const double a = std::fabs(static_cast<double>(f)), below = magnitude(lo), above = magnitude(hi);
+  const bool up = a - below > above - a || (a - below == above - a && (lo & 1u));
+  return __nv_bfloat16{up ? hi : lo};
+}
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
 
 // ---- nvcuda::wmma for 16 x 16 x 16 tiles of FP16/BF16 with an FP32 accumulator --------------------------------
 namespace nvcuda {

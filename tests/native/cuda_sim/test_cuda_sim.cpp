@@ -932,6 +932,7 @@ int run_big_dynamic(int* out, bool set_attribute);
 int run_traps(int* out);
 int run_grid_y(int* out, unsigned blocks_y);
 int run_shared_overrun(int* out, int index);
+int run_narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n);
 }  // namespace mpf_sim_selftest
 
 namespace {
@@ -962,6 +963,41 @@ void test_self(std::mt19937&) {
   CHECK(st::run_grid_y(ys.data(), 65536) == mpf_sim::kErrorInvalidConfiguration, "grid.y > 65535 is refused");
   CHECK(st::run_grid_y(ys.data(), 3) == 0 && ys[2] == 1, "a grid of 3 in y runs");
   CHECK(st::run_shared_overrun(ints.data(), 31) == 0 && ints[0] == 1, "a read inside a shared array runs");
+}
+
+// core/numeric.h's narrowings on the device (the hardware conversions on sm_80+: cvt.rn.bf16.f32 and
+// cvt.rn.f16.f32, modelled in sim.h from their definitions) against the host's integer and float formulas: the
+// same bits for every non-NaN input; a NaN stays a NaN, 0x7FC0 in BF16 as on the host (FP16 keeps the
+// hardware's 0x7FFF). Specials, ties at several binades, subnormal results, the overflow boundary, and
+// random bit patterns.
+void test_numeric(std::mt19937& rng) {
+  std::vector<uint32_t> bits = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u,
+                                0x7f800001u, 0x7fbfffffu, 0x7f7fffffu, 0xff7fffffu, 0x7f7f7fffu, 0x7f7f8000u,
+                                0x7f7f8001u, 0x7f7fc000u, 0x00000001u, 0x80000001u, 0x00007fffu, 0x00008000u,
+                                0x00018000u, 0x00008001u, 0x007fffffu, 0x00800000u, 0x3f808000u, 0x3f818000u,
+                                0x3f80ffffu, 0x477ff000u, 0x477fefffu, 0x477fe000u, 0x38800000u, 0x387fe000u,
+                                0x33000000u, 0x33000001u, 0x32ffffffu, 0xb3800000u};
+  for (uint32_t e = 0; e < 256; ++e)  // ties and their neighbours in every binade, both signs
+    for (uint32_t low : {0x8000u, 0x7fffu, 0x8001u, 0x18000u, 0x1000u, 0x0fffu, 0x1001u, 0x3000u})
+      for (uint32_t sign : {0u, 0x80000000u}) bits.push_back(sign | (e << 23) | low);
+  std::uniform_int_distribution<uint32_t> any;
+  while (bits.size() < 100000) bits.push_back(any(rng));
+  const int n = static_cast<int>(bits.size());
+  std::vector<float> in(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) in[i] = mpf::bits_as_float(bits[i]);
+  std::vector<uint16_t> bf16(bits.size()), f16(bits.size());
+  CHECK(mpf_sim_selftest::run_narrow(in.data(), bf16.data(), f16.data(), n) == 0, "the narrowing kernel runs");
+  int bad_bf16 = 0, bad_f16 = 0;
+  for (int i = 0; i < n; ++i) {
+    const uint16_t hb = mpf::float_to_bf16_bits(in[i]), hf = mpf::float_to_f16_bits(in[i]);
+    if (bf16[i] != hb && bad_bf16++ < 5)
+      std::fprintf(stderr, "  bf16 of 0x%08x: device 0x%04x, host 0x%04x\n", bits[i], bf16[i], hb);
+    const bool nan = std::isnan(in[i]);
+    const bool f16_ok = nan ? (f16[i] & 0x7c00u) == 0x7c00u && (f16[i] & 0x3ffu) != 0 : f16[i] == hf;
+    if (!f16_ok && bad_f16++ < 5) std::fprintf(stderr, "  f16 of 0x%08x: device 0x%04x, host 0x%04x\n", bits[i], f16[i], hf);
+  }
+  CHECK(bad_bf16 == 0, "BF16 narrowing: %d of %d values differ between device and host", bad_bf16, n);
+  CHECK(bad_f16 == 0, "FP16 narrowing: %d of %d values differ between device and host", bad_f16, n);
 }
 
 // Defects that only a sanitizer reports, each run by a test of its own that expects the report (CMakeLists.txt):
@@ -995,6 +1031,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
   part("self", test_self);
+  part("numeric", test_numeric);
   part("loss_scale", test_loss_scale);
   part("random", test_random);
   part("fixed_point", test_fixed_point);
