@@ -128,7 +128,7 @@ cuda-check: sass-check cuda-install-check
 # ---- on a machine with a GPU (its torch already has CUDA; nothing is downloaded) ------------------
 # Each stage fits a 9-minute GPU window (timeout 540 inside) and ends with a summary line; the build stage
 # leaves mpfused/_C*.so and build/ for the others. `make gpu-check` runs them all in turn.
-#   make gpu-check-sanitize-memcheck FILES="tests/test_gemm.py"   one tool over some test files
+#   make gpu-check-sanitize-memcheck FILES="tests/test_gemm.py"   one tool over every GPU case of some test files
 #   make gpu-check-tests FILES="tests/test_optim.py"               the GPU cases of some test files
 #   make gpu-check-bench BENCH="bench_optim bench_gemm"            some benchmarks
 #   make gpu-check-profile WORKLOADS="adamw-fp16-stochastic"        ncu over some kernels (profile_kernels.py)

@@ -318,6 +318,34 @@ def test_size_one_dims_with_arbitrary_strides(device):
         assert_bitwise(mpfused.gemm(a, col), reference(a, col, None))
 
 
+def tight(rows, cols, col_major, dtype, device, gen):
+    """A (rows, cols) operand whose leading dimension is a whole number of 16-byte vectors (the kernels' vector
+    path) but whose sizes are not, in storage that ends at its last element: a tail copy that reads a whole
+    vector reads past the allocation, which compute-sanitizer's memcheck reports (with torch's caching
+    allocator off, as the sanitizer stage runs)."""
+    inner, outer = (rows, cols) if col_major else (cols, rows)
+    ld = -(-inner // 8) * 8
+    flat = ints(((outer - 1) * ld + inner,), dtype, device, gen)
+    t = flat.as_strided((outer, inner), (ld, 1))
+    t = t.t() if col_major else t
+    assert t.shape == (rows, cols) and t.data_ptr() % 16 == 0 and max(t.stride()) % 8 == 0
+    return t
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["nn", "tn", "nt", "tt"])
+def test_partial_vectors_at_the_end_of_the_storage(device, dtype, ta, tb):
+    """The vector path with partial 16-byte vectors along every edge (M, N and K not multiples of 8), each
+    operand's storage ending at its last element, in every layout: exact small-integer products. Where the
+    tails were copied with cp.async's zero-fill, memcheck on an H200 reported 16-byte reads past the end."""
+    gen = torch.Generator().manual_seed(77 + 2 * ta + tb)
+    for m, n, k in [(70, 50, 44), (37, 29, 61), (130, 259, 75)]:
+        a, b = tight(m, k, ta, dtype, device, gen), tight(k, n, tb, dtype, device, gen)
+        assert_bitwise(mpfused.gemm(a, b, out_dtype=torch.float32), reference(a, b, torch.float32))
+
+
 @pytest.mark.sanitize
 def test_batched_operand_layouts(device):
     gen = torch.Generator().manual_seed(11)
