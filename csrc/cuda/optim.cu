@@ -67,7 +67,6 @@ struct OptimConsts {
   float max_norm;
   const float* found_inf;
   bool write_grad;
-  bool stochastic;        // OptimArgs::rounding == kStochastic
   uint64_t seed;
   unsigned int* counter;  // the final pass's last block increments the steps
   double* partial;        // two-pass policies: [item][sum] of this launch
@@ -139,28 +138,40 @@ __device__ __forceinline__ float element(float& p, float* s, float graw, const B
   }
 }
 
-// Stochastic rounding's random bits, shared by the block's threads. Each iteration of a loop over a chunk
-// covers a window of consecutive elements, and each Philox block (eight elements' bits, core/philox.h) that
-// the window touches is computed once, by one thread (thread t: the window's t-th block), into shared
-// memory. Element w of the window then reads its 16 bits at half-word lead + w, lead being the place of the
-// window's first element in its block (element k of a block is half-word k of the block's four words, low
-// half first). Drawn by each thread for its own four elements, as before, a block was computed by each of
-// the two or three threads whose elements it covers, and the element-wise loop computed one per element.
-// (A block that straddles two windows is still computed for both: 129 blocks per 128 where lead != 0.)
-constexpr int kSrWindow = kThreads * kVec;                    // the elements of one vector iteration
-constexpr int kSrBlocks = kSrWindow / kElementsPerBlock + 1;  // a window that starts mid-block touches one more
-constexpr int kSrWords = 4 * kSrBlocks;                       // one buffer: the blocks' 32-bit words
-constexpr int kSrBuffers = 3;
-static_assert(kSrWindow % kElementsPerBlock == 0, "every window must start at the same place in its block");
-static_assert(kSrBlocks <= kThreads && kThreads / kElementsPerBlock + 1 <= kSrBlocks, "a thread per block");
+// Stochastic rounding's random bits (core/philox.h: one Philox block holds eight consecutive elements' 16
+// bits; element k of a block takes half-word k of its four words, low half first).
+//
+// The vector part of a chunk: each warp walks a run of consecutive windows of its own, a window being V
+// vectors of its 32 lanes (128 * V elements, 16 * V Philox blocks). Iteration w issues window w's loads,
+// computes window w + 1's blocks (one a lane) into the warp's ring of blocks in shared memory while they
+// are in flight, then a __syncwarp, then window w's update reads its elements' bits from the ring (window
+// 0's blocks are computed before the loop). A run starts at a multiple of 8 elements from the chunk's start,
+// so every window's elements sit at the same place `lead` in their blocks; where lead != 0 a window's last
+// elements lie in the first block of the next window, which the ring holds by then: each block is computed
+// once, by one lane, with no barrier of the whole block. (Before: a window was a vector of every thread of the block, its 129 blocks
+// were computed by the first 129 threads, five warps of eight, and every window took a __syncthreads; the
+// FP16 loop held 555 sm_90 instructions for 4 elements against 599 for 8 without stochastic rounding, and
+// an H200 measured the stochastic step at 1.42x the nearest one.)
+//
+// The ring holds four windows' blocks: block k of the run (k counted from the run's first) in slot
+// k % (4 * 16V). In iteration w a lane writes window w + 1's blocks while a slower lane may still read
+// window w - 1's (blocks 16V(w - 1) .. 16Vw; it passed the __syncwarp of iteration w - 1, so none reads an
+// earlier window): three windows' slots would do, four make the slot a mask.
+constexpr int kWarps = kThreads / 32;
+constexpr int kSrRingWindows = 4;
+constexpr int kSrMaxBlocks = 16 * 2;  // a window's blocks at V = 2
+constexpr int kSrWarpWords = kSrRingWindows * kSrMaxBlocks * 4;
 
-// Three buffers (see process_chunk): window w's in buffer w % 3.
+// The block's shared words: the warps' rings in the vector part, one buffer of the whole block (sr_fill) in
+// the element-wise part.
 __device__ __forceinline__ uint32_t* sr_buffers() {
-  __shared__ __align__(16) uint32_t buf[kSrBuffers * kSrWords];
+  __shared__ __align__(16) uint32_t buf[kWarps * kSrWarpWords];
   return buf;
 }
+static_assert(4 * (kThreads / kElementsPerBlock + 1) <= kWarps * kSrWarpWords, "sr_fill's buffer");
 
-// Fills buf with the blocks of elements index0 .. index0 + count - 1 of stream (s0, kStreamOptim).
+// Fills buf with the blocks of elements index0 .. index0 + count - 1 of stream (s0, kStreamOptim), thread t
+// the t-th (the element-wise part: a window of one element a thread, which need not start a block).
 __device__ __forceinline__ void sr_fill(uint32_t* buf, uint64_t seed, uint64_t index0, int64_t count, uint32_t s0) {
   const int64_t blocks = (static_cast<int64_t>(index0 & 7u) + count + 7) / kElementsPerBlock;
   if (threadIdx.x < blocks) {
@@ -177,21 +188,36 @@ __device__ __forceinline__ uint32_t sr_bits(const uint32_t* buf, int lead, int w
   return (h & 1) ? (word & 0xFFFF0000u) : (word << 16);
 }
 
+// The bits of four consecutive elements whose first is half-word h of a ring of mask + 1 words: the words
+// holding them (two, or three where h is odd), shifted by a half-word where h is odd.
+__device__ __forceinline__ void sr_vector_bits(const uint32_t* ring, uint32_t mask, uint32_t h, uint32_t* words) {
+  const uint32_t q = h >> 1;
+  const uint32_t odd = h & 1u;
+  const uint32_t w0 = ring[q & mask], w1 = ring[(q + 1) & mask];
+  const uint32_t w2 = odd ? ring[(q + 2) & mask] : 0u;
+  const uint32_t y0 = __funnelshift_r(w0, w1, 16 * odd), y1 = __funnelshift_r(w1, w2, 16 * odd);
+  words[0] = y0 << 16;
+  words[1] = y0 & 0xFFFF0000u;
+  words[2] = y1 << 16;
+  words[3] = y1 & 0xFFFF0000u;
+}
+
 // A 16-bit param's bits from its FP32 result: round to nearest, or stochastically with word r.
-template <DType D>
-__device__ __forceinline__ typename Storage<D>::type store_param(float x, bool sr, uint32_t r) {
-  if constexpr (D == DType::kFloat32) {
-    return x;
-  } else {
-    return sr ? float_to_bits_sr<D>(x, r) : Storage<D>::store(x);
-  }
+template <DType D, bool kSr>
+__device__ __forceinline__ typename Storage<D>::type store_param(float x, uint32_t r) {
+  if constexpr (D == DType::kFloat32) return x;
+  else if constexpr (kSr) return float_to_bits_sr<D>(x, r);
+  else return Storage<D>::store(x);
 }
 
 // kWs: where the FP32 weight comes from, a template argument so that each loop holds only its own loads,
 // stores and conversions (with the source chosen at run time, the BF16 loops carried the remainders' join
 // and split beside the plain conversion: 873 instructions for two vectors of AdamW on sm_90 where FP16's
 // took 635, and an H200 measured the BF16 step without masters at 69% of the copy roof, FP16's at 89%).
-template <class P, DType D, Pass kPass, WeightSource kWs>
+// kSr: the launch's rounding is stochastic (a kernel of its own, so that the round-to-nearest kernels carry
+// neither its registers, 121 against 108 for AdamW and 96 against 77 for LAMB's update pass, which would
+// leave LAMB two blocks per SM instead of three, nor its 16 KB of shared memory).
+template <class P, DType D, Pass kPass, WeightSource kWs, bool kSr>
 __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, int64_t begin, int64_t n,
                                               const OptimConsts& c, const BlockConsts<P>& b, float* acc) {
   using S = Storage<D>;
@@ -206,8 +232,8 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   static_assert(!kR || D == DType::kBFloat16, "remainders are for BF16 params");
   float* master = kM ? static_cast<float*>(a.master[slot]) + begin : nullptr;
   int16_t* rem = kR ? static_cast<int16_t*>(a.master[slot]) + begin : nullptr;
-  // The same for every thread of the block (one slot, one dtype), as the __syncthreads below need.
-  const bool sr = D != DType::kFloat32 && kWriteParam && c.stochastic && !kR;
+  // Where the param is written with stochastic rounding: a 16-bit param that is no BF16 param with remainders.
+  constexpr bool sr = kSr && D != DType::kFloat32 && kWriteParam && !kR;
   const uint64_t first = a.sr_offset[slot] + static_cast<uint64_t>(begin);  // element 0's Philox index
   const bool write_grad = kReadGrad && c.write_grad;
   float* st[kMaxStates];
@@ -227,7 +253,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     Pack<float, kVec> pv, sv[kMaxStates];
     Pack<int16_t, kVec> rv;
   };
-  const auto load_vec = [&](int64_t i, VecIn& d) {
+  const auto load_vec = [&](int i, VecIn& d) {
     d.gv = {};
     if (kReadGrad) d.gv = *reinterpret_cast<const Pack<T, kVec>*>(grad + i);
     if constexpr (kM) {
@@ -247,7 +273,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       if (st[k]) d.sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
     }
   };
-  const auto finish_vec = [&](int64_t i, VecIn& d, const uint32_t* words) {
+  const auto finish_vec = [&](int i, VecIn& d, const uint32_t* words) {
     Pack<T, kVec> used;  // the gradient the update used, for write_grad
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
@@ -271,7 +297,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
         *reinterpret_cast<Pack<int16_t, kVec>*>(rem + i) = d.rv;
       } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D>(d.pv.v[e], sr, sr ? words[e] : 0u);
+        for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D, sr>(d.pv.v[e], sr ? words[e] : 0u);
       }
       *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
       if constexpr (kM) *reinterpret_cast<Pack<float, kVec>*>(master + i) = d.pv;
@@ -283,7 +309,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     }
   };
   // One element, element by element: misaligned tensors and the tail of a vectorised one.
-  const auto scalar = [&](int64_t i, uint32_t r) {
+  const auto scalar = [&](int i, uint32_t r) {
     float p;
     if constexpr (kM) p = master[i];
     else if constexpr (kR) p = join_master(param[i], rem[i]);
@@ -305,12 +331,16 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
         param[i] = split_master_hi(u);
         rem[i] = split_master_lo(u, param[i]);
       } else {
-        param[i] = store_param<D>(p, sr, r);
+        param[i] = store_param<D, sr>(p, r);
       }
     }
   };
 
-  const int64_t head = vec ? n / kVec * kVec : 0;
+  // Positions in the chunk are ints (kChunk elements at most): 32-bit offsets address with one IMAD.WIDE
+  // where a 64-bit one takes a LEA pair.
+  static_assert(kChunk <= (int64_t{1} << 30), "a chunk's positions must fit an int");
+  const int len = static_cast<int>(n);
+  const int head = vec ? len / kVec * kVec : 0;
   // Two vectors a thread in flight, for single-pass policies: the loads of an iteration cannot pass the
   // stores of the one before (the compiler cannot tell that they do not alias), so one vector an iteration
   // left a thread one vector's bytes in flight: 56-64 bytes, about 30 KB per SM at the two blocks per SM
@@ -319,9 +349,9 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
   // registers, three blocks per SM, and measured 92% there; two vectors take it to 86-106 registers and
   // two blocks per SM.
   constexpr bool kTwoVectors = P::kNumSums == 0;
-  constexpr int64_t kStride = int64_t{kThreads} * kVec;
-  if (!sr) {
-    int64_t i = int64_t{threadIdx.x} * kVec;
+  constexpr int kStride = kThreads * kVec;
+  if constexpr (!sr) {
+    int i = static_cast<int>(threadIdx.x) * kVec;
     if constexpr (kTwoVectors) {
       for (; i + kStride < head; i += 2 * kStride) {
         VecIn d0, d1;
@@ -336,54 +366,68 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       load_vec(i, d);
       finish_vec(i, d, nullptr);
     }
-    for (int64_t i = head + threadIdx.x; i < n; i += kThreads) scalar(i, 0u);
-    return;
-  }
-  // Stochastic rounding: every thread runs every window (the barriers). Iteration w: window w + 1's loads
-  // are issued (kTwoVectors: window w's were issued in iteration w - 1, or before the loop, so two vectors a
-  // thread are in flight; otherwise window w's own), window w + 1's Philox blocks are computed while they
-  // are in flight, a barrier, then window w's update, which reads window w's bits. Three buffers, so that
-  // the barrier can come before the update: buffer (w + 1) % 3, filled in iteration w, was last read in
-  // iteration w - 2, before barrier w - 1, which every thread passed before iteration w (two buffers would
-  // need a barrier after the update too, and a warp could then issue no load for window w + 1 before the
-  // slowest warp had finished window w).
-  static_assert(kSrWindow == kStride, "a window is one vector a thread");
-  uint32_t* const bufs = sr_buffers();
-  const int lead = static_cast<int>(first & 7u);  // windows start at multiples of kSrWindow: all at this place
-  VecIn d;  // window w's values
-  if (kTwoVectors && int64_t{threadIdx.x} * kVec < head) load_vec(int64_t{threadIdx.x} * kVec, d);
-  if (head > 0) sr_fill(bufs, c.seed, first, head < kSrWindow ? head : kSrWindow, b.sr_s0);
-  int w = 0;
-  for (int64_t base = 0; base < head; base += kSrWindow, ++w) {
-    const int64_t i = base + int64_t{threadIdx.x} * kVec;
-    const int64_t next = base + kSrWindow;
-    VecIn d_next{};  // zero where this thread has no element in window w + 1 (then never read)
-    if constexpr (kTwoVectors) {
-      if (i + kSrWindow < head) load_vec(i + kSrWindow, d_next);
-    } else {
-      if (i < head) load_vec(i, d);
-    }
-    if (next < head)
-      sr_fill(bufs + ((w + 1) % kSrBuffers) * kSrWords, c.seed, first + static_cast<uint64_t>(next),
-              head - next < kSrWindow ? head - next : kSrWindow, b.sr_s0);
-    __syncthreads();
-    if (i < head) {
-      const uint32_t* cur = bufs + (w % kSrBuffers) * kSrWords;
-      uint32_t words[kVec];
+    for (int i = head + static_cast<int>(threadIdx.x); i < len; i += kThreads) scalar(i, 0u);
+  } else {
+    // Stochastic rounding, the vector part: each warp its own run of windows (see sr_buffers), V vectors a
+    // lane a window, loaded at the top of the iteration as in the loop above so that the Philox blocks are
+    // computed while they are in flight.
+    constexpr int V = kTwoVectors ? 2 : 1;
+    constexpr int kWin = 32 * kVec * V;  // a warp's window: elements
+    constexpr int kWinBlocks = kWin / kElementsPerBlock;
+    constexpr uint32_t kRingMask = kSrRingWindows * kWinBlocks * 4 - 1;  // the ring's words, less one
+    static_assert(kWinBlocks <= 32 && kWinBlocks <= kSrMaxBlocks, "a lane per block of a window");
+    static_assert((kRingMask & (kRingMask + 1)) == 0, "the ring's slot is a mask");
+    uint32_t* const bufs = sr_buffers();
+    const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+    const int windows = (head + kWin - 1) / kWin;
+    const int per_warp = (windows + kWarps - 1) / kWarps;
+    const int run0 = (warp * per_warp < windows ? warp * per_warp : windows) * kWin;  // a multiple of 8
+    const int run1 = (warp + 1) * per_warp * kWin < head ? (warp + 1) * per_warp * kWin : head;
+    if (run0 < run1) {  // the same for the warp's lanes
+      uint32_t* const ring = bufs + warp * kSrWarpWords;
+      const uint64_t e0 = first + static_cast<uint64_t>(run0);  // the run's first element's Philox index
+      const uint32_t lead = static_cast<uint32_t>(e0 & 7u);      // == first & 7
+      const uint64_t block0 = e0 / kElementsPerBlock;
+      const int last = (static_cast<int>(lead) + (run1 - run0) - 1) / kElementsPerBlock;  // the run's last block
+      const auto fill = [&](int window) {  // window's blocks: 16V of them from block 16V * window
+        const int k = window * kWinBlocks + lane;
+        if (lane < kWinBlocks && k <= last) {
+          const Philox4 p = philox_block(c.seed, block0 + static_cast<uint64_t>(k), b.sr_s0, kStreamOptim);
+          *reinterpret_cast<uint4*>(ring + ((static_cast<uint32_t>(k) * 4u) & kRingMask)) =
+              make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
+        }
+      };
+      fill(0);
+      int w = 0;
+      for (int base = run0; base < run1; base += kWin, ++w) {
+        VecIn d[V];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) words[e] = sr_bits(cur, lead, threadIdx.x * kVec + e);
-      finish_vec(i, d, words);
+        for (int v = 0; v < V; ++v) {
+          const int i = base + (v * 32 + lane) * kVec;
+          if (i < run1) load_vec(i, d[v]);
+        }
+        fill(w + 1);
+        __syncwarp();
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const int i = base + (v * 32 + lane) * kVec;
+          if (i < run1) {
+            uint32_t words[kVec];
+            sr_vector_bits(ring, kRingMask, lead + static_cast<uint32_t>(i - run0), words);
+            finish_vec(i, d[v], words);
+          }
+        }
+      }
     }
-    if constexpr (kTwoVectors) d = d_next;
-  }
-  if (head > 0) __syncthreads();  // the last window's reads, before buffer 0 is filled again
-  // Element by element, a window of kThreads at a time; its first element need not start a block.
-  for (int64_t base = head; base < n; base += kThreads) {
-    sr_fill(bufs, c.seed, first + static_cast<uint64_t>(base), n - base < kThreads ? n - base : kThreads, b.sr_s0);
-    __syncthreads();
-    const int64_t i = base + threadIdx.x;
-    if (i < n) scalar(i, sr_bits(bufs, static_cast<int>((first + static_cast<uint64_t>(base)) & 7u), threadIdx.x));
-    __syncthreads();
+    if (head > 0) __syncthreads();  // every warp's last reads, before sr_fill writes the shared words
+    // Element by element, a window of kThreads at a time; its first element need not start a block.
+    for (int base = head; base < len; base += kThreads) {
+      sr_fill(bufs, c.seed, first + static_cast<uint64_t>(base), len - base < kThreads ? len - base : kThreads, b.sr_s0);
+      __syncthreads();
+      const int i = base + static_cast<int>(threadIdx.x);
+      if (i < len) scalar(i, sr_bits(bufs, static_cast<int>((first + static_cast<uint64_t>(base)) & 7u), threadIdx.x));
+      __syncthreads();
+    }
   }
 }
 
@@ -401,7 +445,7 @@ __device__ __forceinline__ void finish_steps(const OptimLaunch& a, unsigned int*
   if (threadIdx.x == 0) *counter = 0u;
 }
 
-template <class P, Pass kPass>
+template <class P, Pass kPass, bool kSr>
 __global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constant__ OptimLaunch a, const OptimConsts c) {
   if (c.found_inf && *c.found_inf != 0.f) return;  // skipped step: nothing is written, steps included
   constexpr int K = P::kNumSums > 0 ? P::kNumSums : 1;
@@ -431,16 +475,16 @@ __global__ void __launch_bounds__(kThreads, 2) optim_kernel(const __grid_constan
     constexpr DType D = decltype(d)::value;
     const WeightSource ws = static_cast<WeightSource>(a.weight[slot]);
     if (ws == WeightSource::kMaster) {
-      process_chunk<P, D, kPass, WeightSource::kMaster>(a, slot, begin, n, c, b, acc);
+      process_chunk<P, D, kPass, WeightSource::kMaster, kSr>(a, slot, begin, n, c, b, acc);
       return;
     }
     if constexpr (D == DType::kBFloat16) {
       if (ws == WeightSource::kRemainder) {
-        process_chunk<P, D, kPass, WeightSource::kRemainder>(a, slot, begin, n, c, b, acc);
+        process_chunk<P, D, kPass, WeightSource::kRemainder, kSr>(a, slot, begin, n, c, b, acc);
         return;
       }
     }
-    process_chunk<P, D, kPass, WeightSource::kParam>(a, slot, begin, n, c, b, acc);
+    process_chunk<P, D, kPass, WeightSource::kParam, kSr>(a, slot, begin, n, c, b, acc);
   });
   if constexpr (kPass == Pass::kReduce) {
 #pragma unroll
@@ -479,8 +523,8 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
   consts.max_norm = a.max_norm;
   consts.found_inf = a.found_inf;
   consts.write_grad = a.write_grad;
-  consts.stochastic = a.rounding == Rounding::kStochastic;
   consts.seed = a.seed;
+  const bool stochastic = a.rounding == Rounding::kStochastic;
   bool any_step = false;
   for (int64_t t = 0; t < a.num_tensors; ++t) any_step = any_step || a.tensors[t].step != nullptr;
   consts.counter = any_step ? a.counter : nullptr;  // no steps to count (Lion, SGD without momentum)
@@ -523,16 +567,18 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
     }
     const int items = args.work.fill(launch);
     if constexpr (P::kNumSums == 0) {
-      optim_kernel<P, Pass::kUpdate><<<items, kThreads, 0, stream>>>(args, consts);
+      if (stochastic) optim_kernel<P, Pass::kUpdate, true><<<items, kThreads, 0, stream>>>(args, consts);
+      else optim_kernel<P, Pass::kUpdate, false><<<items, kThreads, 0, stream>>>(args, consts);
       cuda_check(cudaGetLastError(), "launching the optimizer kernel");
     } else {
       OptimConsts pass = consts;
       pass.partial = partial;
       pass.counter = nullptr;
-      optim_kernel<P, Pass::kReduce><<<items, kThreads, 0, stream>>>(args, pass);
+      optim_kernel<P, Pass::kReduce, false><<<items, kThreads, 0, stream>>>(args, pass);
       cuda_check(cudaGetLastError(), "launching the optimizer's reduction pass");
       pass.counter = consts.counter;
-      optim_kernel<P, Pass::kApply><<<items, kThreads, 0, stream>>>(args, pass);
+      if (stochastic) optim_kernel<P, Pass::kApply, true><<<items, kThreads, 0, stream>>>(args, pass);
+      else optim_kernel<P, Pass::kApply, false><<<items, kThreads, 0, stream>>>(args, pass);
       cuda_check(cudaGetLastError(), "launching the optimizer's update pass");
     }
   }

@@ -262,6 +262,10 @@ inline double __dmul_rn(double a, double b) { return a * b; }
 inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return static_cast<unsigned int>((static_cast<uint64_t>(a) * b) >> 32);
 }
+// The low 32 bits of (hi:lo) >> (shift & 31) (CUDA's definition: the shift wraps; __funnelshift_rc clamps).
+inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int shift) {
+  return static_cast<unsigned int>(((static_cast<uint64_t>(hi) << 32) | lo) >> (shift & 31u));
+}
 
 // ---- FP16 and BF16: conversions by the CPU's F16C unit (IEEE round to nearest even) --------------------------
 struct __half {

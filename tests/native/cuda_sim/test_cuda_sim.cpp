@@ -520,7 +520,11 @@ template <class P>
 void optim_policy(const char* name, const std::vector<std::vector<double>>& hypers, std::mt19937& rng) {
   const int64_t C = kCudaOptimLimits.chunk_size;
   // {3000, 5128, 1029}: chunks of 3, 6 and 2 windows of 1,024 elements (the loops take two at a time).
-  std::vector<std::vector<int64_t>> lists = {{1}, {0, 5, 8, 3}, {C - 1, 7, C + 1}, {3000, 5128, 1029}};
+  // {3000, 5129, 1029, 2051, 9}: the stochastic write-back's runs of warp windows (256 elements, 128 for
+  // LAMB) end mid-window and some warps get none; elements start at places 0, 0, 1, 6 and 1 of their Philox
+  // blocks (odd places shift the bits by a half-word), so windows end in the next window's first block.
+  std::vector<std::vector<int64_t>> lists = {{1}, {0, 5, 8, 3}, {C - 1, 7, C + 1}, {3000, 5128, 1029},
+                                             {3000, 5129, 1029, 2051, 9}};
   if (!small_scale()) {
     lists.push_back({2 * C + 3, 0, 1});
     std::vector<int64_t> many(400);  // more than a launch's 384 tensors
