@@ -39,32 +39,59 @@ MPF_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 #endif
 }
 
-// The ten rounds on counter c with key (k0, k1).
-MPF_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+// The key of every round: the key schedule of (k0, k1), done once. A CUDA kernel takes it among its
+// arguments, so that its rounds read the keys from the constant bank: no registers of their own (the
+// schedule folded into the loop kept 18 of them live in the optimizer's stochastic loop, at its limit of 128).
+struct PhiloxKeys {
+  uint32_t k0[kPhiloxRounds], k1[kPhiloxRounds];
+};
+
+MPF_HD PhiloxKeys philox_keys(uint32_t k0, uint32_t k1) {
+  PhiloxKeys k{};
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < kPhiloxRounds; ++round) {  // the key advances between rounds (wrapping)
+    k.k0[round] = k0 + static_cast<uint32_t>(round) * kPhiloxW0;
+    k.k1[round] = k1 + static_cast<uint32_t>(round) * kPhiloxW1;
+  }
+  return k;
+}
+
+MPF_HD PhiloxKeys philox_keys(uint64_t seed) {
+  return philox_keys(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// The ten rounds on counter c under the round keys k.
+MPF_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, const PhiloxKeys& k) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int round = 0; round < kPhiloxRounds; ++round) {
-    if (round > 0) {  // the key advances between rounds
-      k0 += kPhiloxW0;
-      k1 += kPhiloxW1;
-    }
     const uint32_t hi0 = mulhi32(kPhiloxM0, c0), lo0 = kPhiloxM0 * c0;
     const uint32_t hi1 = mulhi32(kPhiloxM1, c2), lo1 = kPhiloxM1 * c2;
-    c0 = hi1 ^ c1 ^ k0;
+    c0 = hi1 ^ c1 ^ k.k0[round];
     c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
+    c2 = hi0 ^ c3 ^ k.k1[round];
     c3 = lo0;
   }
   return Philox4{{c0, c1, c2, c3}};
 }
 
+// The ten rounds on counter c with key (k0, k1).
+MPF_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  return philox4x32_10(c0, c1, c2, c3, philox_keys(k0, k1));
+}
+
 constexpr int kElementsPerBlock = 8;
 
 // Block `block` of stream (s0, s1) under `seed`: the random bits of elements 8 * block .. 8 * block + 7.
+MPF_HD Philox4 philox_block(const PhiloxKeys& keys, uint64_t block, uint32_t s0, uint32_t s1) {
+  return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), s0, s1, keys);
+}
+
 MPF_HD Philox4 philox_block(uint64_t seed, uint64_t block, uint32_t s0, uint32_t s1) {
-  return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), s0, s1,
-                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return philox_block(philox_keys(seed), block, s0, s1);
 }
 
 // The random bits of element k (0..7) of a block, as the top 16 bits of a 32-bit value (the low 16 are

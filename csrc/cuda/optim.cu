@@ -67,7 +67,7 @@ struct OptimConsts {
   float max_norm;
   const float* found_inf;
   bool write_grad;
-  uint64_t seed;
+  PhiloxKeys keys;        // stochastic rounding: the seed's round keys (read from the constant bank)
   unsigned int* counter;  // the final pass's last block increments the steps
   double* partial;        // two-pass policies: [item][sum] of this launch
 };
@@ -116,6 +116,23 @@ __device__ __forceinline__ BlockConsts<P> block_consts(const OptimLaunch& a, con
   b.factor = 0.f;
   b.sr_s0 = sr_step_word(taken);
   return b;
+}
+
+// The states that every flag combination of P reads and writes: the bindings refuse a step without them
+// (csrc/torch/optim.cpp), so the loops access them with no test of their pointers; a state past P's own is
+// never there. (Tested at run time, the pointers cost the stochastic AdamW loop 18 instructions an iteration
+// on sm_90, where its predicates ran short and the tests were redone in the loop.)
+template <class P>
+__host__ __device__ constexpr uint32_t always_states() {
+  uint32_t m = (1u << P::kNumStates) - 1u;
+  for (uint32_t f = 0; f < (1u << P::kNumFlags); ++f) m &= P::state_mask(f);
+  return m;
+}
+
+template <class P>
+__device__ __forceinline__ bool has_state(float* const* st, int k) {
+  constexpr uint32_t kAlways = always_states<P>();
+  return k < P::kNumStates && (((kAlways >> k) & 1u) || st[k] != nullptr);
 }
 
 // One element: the gradient as stored in, the gradient used out (for write_grad).
@@ -172,10 +189,10 @@ static_assert(4 * (kThreads / kElementsPerBlock + 1) <= kWarps * kSrWarpWords, "
 
 // Fills buf with the blocks of elements index0 .. index0 + count - 1 of stream (s0, kStreamOptim), thread t
 // the t-th (the element-wise part: a window of one element a thread, which need not start a block).
-__device__ __forceinline__ void sr_fill(uint32_t* buf, uint64_t seed, uint64_t index0, int64_t count, uint32_t s0) {
+__device__ __forceinline__ void sr_fill(uint32_t* buf, const PhiloxKeys& keys, uint64_t index0, int64_t count, uint32_t s0) {
   const int64_t blocks = (static_cast<int64_t>(index0 & 7u) + count + 7) / kElementsPerBlock;
   if (threadIdx.x < blocks) {
-    const Philox4 p = philox_block(seed, index0 / kElementsPerBlock + threadIdx.x, s0, kStreamOptim);
+    const Philox4 p = philox_block(keys, index0 / kElementsPerBlock + threadIdx.x, s0, kStreamOptim);
     *reinterpret_cast<uint4*>(buf + 4 * threadIdx.x) = make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
   }
 }
@@ -242,8 +259,12 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
              (!kM || aligned(master, 16)) && (!kR || aligned(rem, sizeof(int16_t) * kVec));
 #pragma unroll
   for (int k = 0; k < kMaxStates; ++k) {
-    st[k] = a.state[k][slot] ? a.state[k][slot] + begin : nullptr;  // absent states stay zero in registers
-    vec = vec && (!st[k] || aligned(st[k], 16));
+    // absent states stay zero in registers; a state P always has is taken as it is (a select with nullptr would
+    // hide from the compiler that it points to global memory: generic loads and stores)
+    if (k >= P::kNumStates) st[k] = nullptr;
+    else if ((always_states<P>() >> k) & 1u) st[k] = a.state[k][slot] + begin;
+    else st[k] = a.state[k][slot] ? a.state[k][slot] + begin : nullptr;
+    vec = vec && (!has_state<P>(st, k) || aligned(st[k], 16));
   }
 
   // Elements i .. i + kVec - 1 in 16-byte (FP32) and 8-byte (FP16/BF16) accesses: the loads, then the
@@ -270,7 +291,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 #pragma unroll
     for (int k = 0; k < kMaxStates; ++k) {
       d.sv[k] = {};
-      if (st[k]) d.sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
+      if (has_state<P>(st, k)) d.sv[k] = *reinterpret_cast<const Pack<float, kVec>*>(st[k] + i);
     }
   };
   const auto finish_vec = [&](int i, VecIn& d, const uint32_t* words) {
@@ -305,7 +326,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     if (kWriteState) {
 #pragma unroll
       for (int k = 0; k < kMaxStates; ++k)
-        if (st[k]) *reinterpret_cast<Pack<float, kVec>*>(st[k] + i) = d.sv[k];
+        if (has_state<P>(st, k)) *reinterpret_cast<Pack<float, kVec>*>(st[k] + i) = d.sv[k];
     }
   };
   // One element, element by element: misaligned tensors and the tail of a vectorised one.
@@ -316,13 +337,13 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     else p = S::load(param[i]);
     float s[kMaxStates];
 #pragma unroll
-    for (int k = 0; k < kMaxStates; ++k) s[k] = st[k] ? st[k][i] : 0.f;
+    for (int k = 0; k < kMaxStates; ++k) s[k] = has_state<P>(st, k) ? st[k][i] : 0.f;
     const float g = element<P, kPass>(p, s, kReadGrad ? S::load(grad[i]) : 0.f, b, acc);
     if (write_grad) grad[i] = S::store(g);
     if (kWriteState) {
 #pragma unroll
       for (int k = 0; k < kMaxStates; ++k)
-        if (st[k]) st[k][i] = s[k];
+        if (has_state<P>(st, k)) st[k][i] = s[k];
     }
     if (kWriteParam) {
       if constexpr (kM) master[i] = p;
@@ -392,7 +413,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
       const auto fill = [&](int window) {  // window's blocks: 16V of them from block 16V * window
         const int k = window * kWinBlocks + lane;
         if (lane < kWinBlocks && k <= last) {
-          const Philox4 p = philox_block(c.seed, block0 + static_cast<uint64_t>(k), b.sr_s0, kStreamOptim);
+          const Philox4 p = philox_block(c.keys, block0 + static_cast<uint64_t>(k), b.sr_s0, kStreamOptim);
           *reinterpret_cast<uint4*>(ring + ((static_cast<uint32_t>(k) * 4u) & kRingMask)) =
               make_uint4(p.v[0], p.v[1], p.v[2], p.v[3]);
         }
@@ -422,7 +443,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
     if (head > 0) __syncthreads();  // every warp's last reads, before sr_fill writes the shared words
     // Element by element, a window of kThreads at a time; its first element need not start a block.
     for (int base = head; base < len; base += kThreads) {
-      sr_fill(bufs, c.seed, first + static_cast<uint64_t>(base), len - base < kThreads ? len - base : kThreads, b.sr_s0);
+      sr_fill(bufs, c.keys, first + static_cast<uint64_t>(base), len - base < kThreads ? len - base : kThreads, b.sr_s0);
       __syncthreads();
       const int i = base + static_cast<int>(threadIdx.x);
       if (i < len) scalar(i, sr_bits(bufs, static_cast<int>((first + static_cast<uint64_t>(base)) & 7u), threadIdx.x));
@@ -523,7 +544,7 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
   consts.max_norm = a.max_norm;
   consts.found_inf = a.found_inf;
   consts.write_grad = a.write_grad;
-  consts.seed = a.seed;
+  consts.keys = philox_keys(a.seed);
   const bool stochastic = a.rounding == Rounding::kStochastic;
   bool any_step = false;
   for (int64_t t = 0; t < a.num_tensors; ++t) any_step = any_step || a.tensors[t].step != nullptr;
