@@ -655,6 +655,20 @@ void test_fixed_point(std::mt19937& rng) {
           CHECK(dh.same(dd), "fixed quantize: src %d dst %d <%d, %d> mode %d", static_cast<int>(st), static_cast<int>(dt),
                 f.il, f.fl, static_cast<int>(mode));
         }
+  // Past one pass of the grid (16 blocks of 8 warps on the simulator's 2 SMs: 128 groups of 256 elements),
+  // so that warps 0 and 1 take a second group: its Philox words go to the warp's other buffer (one buffer
+  // shows under ThreadSanitizer); then the last group's 37 elements, a thread a Philox block.
+  for (FixedType dt : {FixedType::kFloat32, FixedType::kInt16})
+    for (Rounding mode : {Rounding::kNearest, Rounding::kStochastic}) {
+      const int64_t m = 130 * 256 + 37;
+      Buf src(m * 4, 0), dh(m * fixed_size(dt), 0), dd(m * fixed_size(dt), 0);
+      for (int64_t i = 0; i < m; ++i) src.as<float>()[i] = static_cast<float>(normal(rng));
+      FixedQuantizeArgs a{src.data, FixedType::kFloat32, dh.data, dt, m, {4, 12}, mode, 78, 8 * 1001};
+      fixed_quantize_cpu(a, 1);
+      a.dst = dd.data;
+      CHECK(!throws([&] { fixed_quantize_cuda(a, nullptr); }), "fixed quantize");
+      CHECK(dh.same(dd), "fixed quantize, two groups a warp: dst %d mode %d", static_cast<int>(dt), static_cast<int>(mode));
+    }
 
   struct Mm {
     int64_t m, n, k;
