@@ -32,9 +32,11 @@ RULES: list[tuple[str, str, str, object]] = [
     # Stochastic rounding: eight FP32 values in (two 128-bit loads), eight 16-bit results out (one store).
     (r"round_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     (r"round_kernel", "128-bit global stores", r"\bSTG\.E\.128\b", ALL),
-    # Fixed point's Convert from FP32 to FP32 values: four elements a lane an access, 128-bit both ways.
+    # Fixed point's Convert: the warps' groups take four elements a lane an access (FP32 to FP32: 128-bit
+    # loads and stores; four FP16 inputs: one 64-bit load, which the thread-a-Philox-block path never has).
     (r"quantize_kernel<\(FixedType\)2, \(FixedType\)2,", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     (r"quantize_kernel<\(FixedType\)2, \(FixedType\)2,", "128-bit global stores", r"\bSTG\.E\.128\b", ALL),
+    (r"quantize_kernel<\(FixedType\)4, \(FixedType\)2,", "64-bit loads of four FP16 values", r"\bLDG\.E\.64\b", ALL),
     # Tensor-core MMAs that accumulate in FP32 (HMMA.1688.F32 on sm_75, HMMA.16816.F32 on sm_80+).
     (r"gemm_kernel<__half,", "HMMA with F32 accumulation", r"\bHMMA\.\d+\.F32\b", ALL),
     (r"gemm_kernel<__nv_bfloat16,", "HMMA BF16 with F32 accumulation", r"\bHMMA\.\d+\.F32\.BF16\b",

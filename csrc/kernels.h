@@ -66,7 +66,8 @@ struct OptimTensor {
   void* grad;                // same dtype and numel as param; read, and written when OptimArgs::write_grad
   float* master;             // FP32 master weight, or nullptr: then param is read, updated in FP32, written back
   float* state[kMaxStates];  // the policy's FP32 states in its kStates order; nullptr where its state_mask
-                             //   says the step does not use one
+                             //   says the step does not use one, and never nullptr where it says it does
+                             //   (the CUDA kernels access the states a policy always has untested)
   float* step;               // one float: steps taken so far, += 1 when this step is taken; nullptr where
                              //   the policy's needs_step is false
   int64_t numel;

@@ -1,6 +1,8 @@
-// CUDA backend of fixed point <IL, FL> (core/fixed_point.h). Convert: a thread computes one Philox block,
-// the random bits of eight consecutive element indices, and converts those eight elements (as
-// round_stochastic does). The MACC: 64 x 64 output tiles, 256 threads of 4 x 4 outputs each, the k dimension staged through
+// CUDA backend of fixed point <IL, FL> (core/fixed_point.h). Convert: where element 0 starts a Philox block
+// and the buffers are 16-byte aligned, a warp converts 256 consecutive elements at a time, four a lane an
+// access, with the Philox blocks (the random bits of eight consecutive element indices) computed one a lane
+// and shared through shared memory; elsewhere, and for the last elements, a thread computes one block and
+// converts its eight elements (as round_stochastic does). The MACC: 64 x 64 output tiles, 256 threads of 4 x 4 outputs each, the k dimension staged through
 // shared memory 16 at a time, exact int64 sums, and the final rounding with each output element's word:
 // the same core functions and words as the CPU backend, so both give the same codes.
 #include <cstdint>
@@ -43,7 +45,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(FixedQuantizeArgs a,
   // Aligned fast path: element 0 starts a Philox block and both pointers allow 16-byte accesses. Warps take
   // groups of 256 consecutive elements (32 Philox blocks); lane l converts elements 4l .. 4l + 3 and
   // 128 + 4l .. 128 + 4l + 3 of its group, so that each load and store of the warp covers one contiguous
-  // span, and computes the group's Philox block l, which the lanes share through shared memory (two buffers
+  // span (for elements of up to 4 bytes; a lane's four FP64 values are two 16-byte accesses 32 bytes apart,
+  // the pattern this path replaced for FP32, kept for that rare type), and computes the group's Philox block l, which the lanes share through shared memory (two buffers
   // a warp: a lane writes the next group's while a slower one may still read this one's). Before, a thread
   // converted the eight elements of its own Philox block, in 16-byte accesses 32 bytes apart across the warp
   // for FP32 (each covering half of every 32-byte sector it touched): an H200 measured Convert into FP32 at

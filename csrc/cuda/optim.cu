@@ -232,8 +232,8 @@ __device__ __forceinline__ typename Storage<D>::type store_param(float x, uint32
 // and split beside the plain conversion: 873 instructions for two vectors of AdamW on sm_90 where FP16's
 // took 635, and an H200 measured the BF16 step without masters at 69% of the copy roof, FP16's at 89%).
 // kSr: the launch's rounding is stochastic (a kernel of its own, so that the round-to-nearest kernels carry
-// neither its registers, 121 against 108 for AdamW and 96 against 77 for LAMB's update pass, which would
-// leave LAMB two blocks per SM instead of three, nor its 16 KB of shared memory).
+// neither its registers nor its 16 KB of shared memory: with both in one kernel LAMB's update pass took 96
+// registers where its nearest loop alone takes 68, which left it two blocks per SM instead of three).
 template <class P, DType D, Pass kPass, WeightSource kWs, bool kSr>
 __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, int64_t begin, int64_t n,
                                               const OptimConsts& c, const BlockConsts<P>& b, float* acc) {

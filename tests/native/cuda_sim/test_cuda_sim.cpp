@@ -656,8 +656,9 @@ void test_fixed_point(std::mt19937& rng) {
                 f.il, f.fl, static_cast<int>(mode));
         }
   // Past one pass of the grid (16 blocks of 8 warps on the simulator's 2 SMs: 128 groups of 256 elements),
-  // so that warps 0 and 1 take a second group: its Philox words go to the warp's other buffer (one buffer
-  // shows under ThreadSanitizer); then the last group's 37 elements, a thread a Philox block.
+  // so that warps 0 and 1 take a second group: its Philox words go to the warp's other buffer (with one
+  // buffer the codes differ, and ThreadSanitizer reports the race); then the last 37 elements, a thread a
+  // Philox block.
   for (FixedType dt : {FixedType::kFloat32, FixedType::kInt16})
     for (Rounding mode : {Rounding::kNearest, Rounding::kStochastic}) {
       const int64_t m = 130 * 256 + 37;
