@@ -10,6 +10,9 @@ For every kernel and every arch in the binary: registers, shared memory, local m
 
 cuobjdump and nvdisasm come from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) or the CUDA
 toolkit. Usage: check_sass.py LIB.so [--archs 75,80,86,89,90]
+With --loops PATTERN it checks nothing and prints the loops of the matching kernels instead (static
+instruction counts per loop and their memory accesses), e.g. for the optimizer's stochastic AdamW loops:
+  check_sass.py build/cuda-check/libmpfused_cuda_kernels.so --archs 90 --loops 'optim_kernel<AdamPolicy, \(Pass\)0, true>'
 """
 
 from __future__ import annotations
@@ -139,14 +142,59 @@ def parse(lib: str, cuobjdump: str, env: dict) -> dict[tuple[str, str], Kernel]:
     return kernels
 
 
+def loops(sass: list[str]) -> list[tuple[int, int, list[str]]]:
+    """The loops of a kernel's SASS: for each backward branch, (start address, branch address, the body's
+    instructions without predicates), innermost and outermost alike."""
+    ins = []
+    for line in sass:
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, text) in enumerate(ins):
+        m = re.match(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= a and int(m.group(1), 16) in at:
+            out.append((int(m.group(1), 16), a, [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]))
+    return out
+
+
+def report_loops(libs: list[str], pattern: str, archs: str, cuobjdump: str, env: dict, least: int) -> int:
+    """Prints the loops of the kernels whose name matches `pattern` (static instruction counts: the figures
+    README quotes for the optimizer's loops), with their global and shared memory accesses."""
+    for lib in libs:
+        kernels = parse(lib, cuobjdump, env)
+        names = demangle(sorted({k.name for k in kernels.values()}))
+        for (arch, _), k in sorted(kernels.items()):
+            name = short(names[k.name])
+            if arch not in {a.strip() for a in archs.split(",")} or not re.search(pattern, name):
+                continue
+            found = [lp for lp in loops(k.sass) if len(lp[2]) >= least]
+            print(f"sm_{arch} {name}: {k.regs} registers, {len(k.sass)} instructions, {len(found)} loops of {least}+")
+            for start, end, body in sorted(found, key=lambda lp: -len(lp[2])):
+                ops = {}
+                for t in body:
+                    op = t.split()[0]
+                    if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "LD", "ST"):
+                        ops[op] = ops.get(op, 0) + 1
+                mem = ", ".join(f"{o} {n}" for o, n in sorted(ops.items()))
+                print(f"  {start:#07x}-{end:#07x}: {len(body)} instructions; {mem}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("libs", nargs="+")
     ap.add_argument("--archs", default=DEFAULT_ARCHS, help="comma-separated SM versions that must have SASS")
+    ap.add_argument("--loops", metavar="PATTERN", help="instead of the check: the loops of the kernels whose "
+                    "name matches PATTERN (e.g. 'optim_kernel<AdamPolicy, \\(Pass\\)0, true>' with --archs 90)")
+    ap.add_argument("--least", type=int, default=200, help="with --loops: loops of at least this many instructions")
     args = ap.parse_args()
     cuobjdump = find_tool("cuobjdump")
     nvdisasm = find_tool("nvdisasm")
     env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+    if args.loops:
+        return report_loops(args.libs, args.loops, args.archs, cuobjdump, env, args.least)
 
     errors: list[str] = []
     rows = []

@@ -85,6 +85,20 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// One vector store. Four 16-bit values go out as one 64-bit integer: copied as a Pack, the FP16 params of
+// the master-weight loops were stored as four 16-bit stores a vector on sm_90 (the compiler scalarised the
+// copy; a uint2 became two 32-bit stores), each covering a quarter of the sectors it touched.
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* dst, const Pack<T, N>& v) {
+  if constexpr (sizeof(T) * N == 8) {
+    uint32_t w[2];
+    memcpy(w, v.v, sizeof w);
+    *reinterpret_cast<uint64_t*>(dst) = (static_cast<uint64_t>(w[1]) << 32) | w[0];
+  } else {
+    *reinterpret_cast<Pack<T, N>*>(dst) = v;
+  }
+}
+
 // What the block's elements share: the policy's per-tensor scalars and flags, the gradient factors.
 template <class P>
 struct BlockConsts {
@@ -305,7 +319,7 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
 #pragma unroll
       for (int k = 0; k < kMaxStates; ++k) d.sv[k].v[e] = s[k];
     }
-    if (write_grad) *reinterpret_cast<Pack<T, kVec>*>(grad + i) = used;
+    if (write_grad) store_vec(grad + i, used);
     if (kWriteParam) {
       Pack<T, kVec> out;
       if constexpr (kR) {
@@ -315,12 +329,12 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
           out.v[e] = split_master_hi(u);
           d.rv.v[e] = split_master_lo(u, out.v[e]);
         }
-        *reinterpret_cast<Pack<int16_t, kVec>*>(rem + i) = d.rv;
+        store_vec(rem + i, d.rv);
       } else {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D, sr>(d.pv.v[e], sr ? words[e] : 0u);
       }
-      *reinterpret_cast<Pack<T, kVec>*>(param + i) = out;
+      store_vec(param + i, out);
       if constexpr (kM) *reinterpret_cast<Pack<float, kVec>*>(master + i) = d.pv;
     }
     if (kWriteState) {
