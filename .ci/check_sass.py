@@ -52,12 +52,17 @@ RULES: list[tuple[str, str, str, object]] = [
     (r"gemm_kernel<__nv_bfloat16, \w+, \w+, true>", "cp.async 128-bit copies",
      r"\bLDGSTS\.E\.BYPASS\.128\b", lambda sm: sm >= 80),
     (r"gemm_kernel<__half, \w+, \w+, true>", "128-bit global loads", r"\bLDG\.E\.128\b", lambda sm: sm < 80),
-    # The Hopper kernel: warpgroup MMAs (64x256x16, FP32 accumulation) fed by cp.async in the sm_90a image; every
+    # The Hopper kernel: warpgroup MMAs (64x256x16, FP32 accumulation) fed by TMA copies (UTMALDG) through
+    # mbarriers (SYNCS), its warpgroups' registers moved by setmaxnreg (USETMAXREG), in the sm_90a image; every
     # other arch's image is a trap that the launcher never reaches.
     (r"gemm_sm90_kernel<__half,", "HGMMA 64x256x16 F32", r"\bHGMMA\.64x256x16\.F32\b", lambda sm: sm == 90),
     (r"gemm_sm90_kernel<__nv_bfloat16,", "HGMMA 64x256x16 F32 BF16", r"\bHGMMA\.64x256x16\.F32\.BF16\b",
      lambda sm: sm == 90),
-    (r"gemm_sm90_kernel<", "cp.async 128-bit copies", r"\bLDGSTS\.E\.BYPASS\.128\b", lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<", "TMA tile copies of 3-D boxes", r"\bUTMALDG\.3D\b", lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<", "mbarrier waits", r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<", "mbarrier arrivals (the consumers' releases)", r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b",
+     lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<", "setmaxnreg", r"\bUSETMAXREG\b", lambda sm: sm == 90),
     (r"gemm_sm90_kernel<", "trap (wgmma needs sm_90a)", r"\bBPT\.TRAP\b", lambda sm: sm != 90),
 ]
 DEFAULT_ARCHS = "75,80,86,89,90"

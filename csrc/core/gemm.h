@@ -120,16 +120,18 @@ struct GemmPlan {
   int64_t tiles_m;
   int64_t tiles_n;
   int64_t blocks;       // tiles_m * tiles_n: the grid's x dimension (batches go to y, then loop)
-  int64_t grid_y;       // min(batch, 65535); blocks loop over the remaining batches
+  int64_t grid_y;       // min(batch, max_grid_y); blocks loop over the remaining batches
   bool vector_path;     // both operands vector-aligned: 128-bit loads (cp.async on sm_80+)
 };
 
-inline GemmPlan plan_gemm(int64_t batch, int64_t m, int64_t n, const MatrixRef& a, const MatrixRef& b) {
+// max_grid_y: the device's limit on grid.y (65535 on every GPU so far; the launcher asks the device).
+inline GemmPlan plan_gemm(int64_t batch, int64_t m, int64_t n, const MatrixRef& a, const MatrixRef& b,
+                          int64_t max_grid_y = 65535) {
   GemmPlan p{};
   p.tiles_m = (m + kGemmBlockM - 1) / kGemmBlockM;
   p.tiles_n = (n + kGemmBlockN - 1) / kGemmBlockN;
   p.blocks = p.tiles_m * p.tiles_n;
-  p.grid_y = batch < 65535 ? batch : 65535;
+  p.grid_y = batch < max_grid_y ? batch : max_grid_y;
   p.vector_path = operand_vector_aligned(a, batch) && operand_vector_aligned(b, batch);
   return p;
 }

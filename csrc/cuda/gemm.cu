@@ -21,6 +21,8 @@
 // refuses BF16 on such a GPU before launching.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime: no -lcuda)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -373,203 +375,293 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
   cuda_check(cudaGetLastError(), "gemm kernel launch");
 }
 
-// ---- Hopper: warpgroup MMAs (sm_90a) ---------------------------------------------------------------------
-// A block of two warpgroups computes a 128 x 256 tile of the output, each warpgroup 64 x 256 with one
-// wgmma.mma_async m64n256k16 per 16 of K (wgmma.cuh): 128 FP32 accumulators per thread. K is walked 64 at a
-// time through kSm90Stages stages of shared memory, filled by every thread with cp.async (the vector path
-// only: 16-byte aligned operands) in the 128-byte swizzle the descriptors name, with the MN edge and the K
-// tail zero-filled. The loads run two stages ahead and one group of MMAs stays in flight:
-//   iteration kt: wait for this thread's copies of stage kt; fence them for the async proxy; barrier
-//   (every thread's stage kt is in shared memory, and every warpgroup's MMAs of stage kt - 2 are done:
-//   each waited for them at the end of kt - 1); copy stage kt + 2 into the slot of kt - 2; issue stage
-//   kt's four MMAs, commit them and wait for those of kt - 1.
+// ---- Hopper: TMA copies and warpgroup MMAs (sm_90a) ----------------------------------------------------
+// A block computes a 128 x 256 tile of the output with three warpgroups, specialised:
+//   - the producer (warpgroup 0; one thread issues): per K step of 64, two or more TMA copies (wgmma.cuh's
+//     tma_load_3d) of A's and B's tiles into a ring of kSm90Stages stages, in the 128-byte swizzle that the
+//     MMAs' descriptors name. The tensor maps (built on the host, kernel parameters) give the operands' extents,
+//     so the MN edges and the K tail land as zeros without a test in the kernel;
+//   - two consumers (warpgroups 1, 2), each 64 x 256 of the tile with one wgmma.mma_async m64n256k16 per 16 of
+//     K (128 FP32 accumulators per thread), both operands read from shared memory through descriptors.
+// Two mbarriers per stage hand it over, with no block-wide barrier in the loop:
+//   full[s]: the producer's arrive.expect_tx (48 KB) and the copies' bytes complete it; consumers wait on it;
+//   empty[s]: each consumer warp arrives once its MMAs of the stage are retired (wgmma.wait_group); the
+//   producer waits on it before copying into the stage again.
+// Stage s of step it waits on phase parity (it / kSm90Stages) & 1 of full[s]; the producer on the opposite
+// parity of empty[s], which passes at once in the first round (the phase before the first is complete). A
+// consumer keeps one group of MMAs in flight: at step it it issues stage it's four MMAs, then waits for those
+// of step it - 1 and releases that stage. The producer runs up to kSm90Stages steps ahead of the MMAs.
+// Registers: the producer hands most of its own back (setmaxnreg.dec) and the consumers take them (inc).
 // The epilogue stages the accumulators through the pipeline's shared memory (after every MMA is done), then
-// each thread applies core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA
-// kernel does, and stores them with 128-bit stores where it can.
-// Compiled for sm_90a only (the arch-specific wgmma instructions): every other target's image of the kernel
-// is a trap that the launcher never reaches (gemm_sm90_available).
+// each consumer thread applies core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA
+// kernel does, and stores them with 128-bit stores where it can. Three block-wide barriers a batch order the
+// epilogue against the pipeline: MMAs done before the staging, staging before reading, reading before the
+// next batch's copies (generic-proxy accesses, then fence.proxy.async, before the async proxy's writes).
+// Compiled for sm_90a only (the arch-specific wgmma and setmaxnreg): every other target's image of the kernel is
+// a trap that the launcher never reaches (gemm_sm90_selected).
 constexpr int kSm90BlockM = 128, kSm90BlockN = 256, kSm90BlockK = 64;
 constexpr int kSm90Stages = 4;
-constexpr int kSm90Threads = 256;                                       // two warpgroups
+constexpr int kSm90Consumers = 2;                                       // warpgroups of MMAs, 64 rows each
+constexpr int kSm90Threads = 128 * (1 + kSm90Consumers);                // the producer warpgroup first
+constexpr int kSm90ProducerRegs = 40, kSm90ConsumerRegs = 232;          // 128 x 40 + 256 x 232 <= 64K
 constexpr int kSm90PanelBytes = kSm90BlockK * sm90::kLineBytes;         // an MN-major tile's 64-wide panel: 8 KB
 constexpr int kSm90ATileBytes = kSm90BlockM * kSm90BlockK * 2;          // 16 KB
 constexpr int kSm90BTileBytes = kSm90BlockN * kSm90BlockK * 2;          // 32 KB
 constexpr int kSm90StageBytes = kSm90ATileBytes + kSm90BTileBytes;
 constexpr int kSm90EpiLd = kSm90BlockN + 8;                             // floats per staged output row
-constexpr size_t kSm90SmemBytes = size_t{kSm90Stages} * kSm90StageBytes + sm90::kAtomBytes;  // + alignment slack
+constexpr int kSm90BarrierBytes = 2 * kSm90Stages * 8;                  // full[], then empty[]
+constexpr size_t kSm90SmemBytes =
+    size_t{kSm90Stages} * kSm90StageBytes + kSm90BarrierBytes + sm90::kAtomBytes;  // + alignment slack
 static_assert(size_t{kSm90BlockM} * kSm90EpiLd * sizeof(float) <= size_t{kSm90Stages} * kSm90StageBytes,
               "the staged outputs fit in the pipeline's shared memory");
 static_assert(kSm90SmemBytes <= 227 * 1024, "sm_90's 227 KB of shared memory per block");
 static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per row of a K-major tile");
+static_assert(128 * kSm90ProducerRegs + 128 * kSm90Consumers * kSm90ConsumerRegs <= 65536, "the SM's registers");
 
-// Copies one operand's tile for one K step into shared memory at dst (1024-byte aligned). kRows is the tile's
-// extent along M or N. K-major (kKMajor): element (r, k) of the tile is at src[r * ld + k]; MN-major: at
-// src[k * ld + r]. rows_left and k_left: the elements that exist from the tile's origin on (the rest reads
-// as zero).
-template <int kRows, bool kKMajor>
-__device__ __forceinline__ void sm90_load_tile(unsigned char* dst, const uint16_t* src, int64_t ld, int64_t rows_left,
-                                               int64_t k_left) {
-  constexpr int kChunks = kRows * kSm90BlockK / 8;  // 16-byte copies
-  static_assert(kChunks % kSm90Threads == 0, "the copies divide among the threads");
-#pragma unroll
-  for (int i = 0; i < kChunks / kSm90Threads; ++i) {
-    const int q = static_cast<int>(threadIdx.x) + i * kSm90Threads;
-    int64_t from, in_fixed, in_contig;  // the chunk's first element; whether its line exists; elements along it
-    uint32_t to;
-    if constexpr (kKMajor) {
-      const int r = q / 8, c = q % 8;
-      from = int64_t{r} * ld + c * 8;
-      in_fixed = rows_left - r;
-      in_contig = k_left - c * 8;
-      to = sm90::swizzle128(static_cast<uint32_t>(r * sm90::kLineBytes + c * 16));
-    } else {
-      constexpr int kPerLine = kRows / 8;  // chunks per K line
-      const int kl = q / kPerLine, pc = q % kPerLine, panel = pc / 8, c = pc % 8;
-      const int col = panel * 64 + c * 8;
-      from = int64_t{kl} * ld + col;
-      in_fixed = k_left - kl;
-      in_contig = rows_left - col;
-      to = static_cast<uint32_t>(panel * kSm90PanelBytes) +
-           sm90::swizzle128(static_cast<uint32_t>(kl * sm90::kLineBytes + c * 16));
-    }
-    const int bytes = in_fixed <= 0 || in_contig <= 0 ? 0 : in_contig >= 8 ? 16 : static_cast<int>(in_contig) * 2;
-    copy16(reinterpret_cast<uint16_t*>(dst + to), src + from, bytes);
-  }
-}
+// The Hopper kernel's arguments: the WMMA kernel's, and a TMA tensor map per operand (3-D: the contiguous
+// dimension, the other one, batches). *_batched: 0 where one matrix serves every batch (the map's third
+// extent is then 1, and the kernel asks for coordinate 0).
+struct Sm90Params {
+  CUtensorMap a, b;
+  KernelParams kp;
+  int a_batched, b_batched;
+};
 
 template <typename T, bool kACol, bool kBCol>
-__device__ __forceinline__ void gemm_body_sm90(const KernelParams& kp) {
+__device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // The swizzle is taken from address bits: the tiles start on a 1024-byte boundary of the shared window.
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t pad = (sm90::kAtomBytes - raw_addr % sm90::kAtomBytes) % sm90::kAtomBytes;
   unsigned char* smem = smem_raw + pad;
   const uint32_t smem0 = raw_addr + pad;
+  const uint32_t full0 = smem0 + static_cast<uint32_t>(kSm90Stages * kSm90StageBytes);  // full[s]: full0 + 8 s
+  const uint32_t empty0 = full0 + 8 * kSm90Stages;
+  const KernelParams& kp = p.kp;
   const GemmArgs& g = kp.g;
-  const EpilogueScalars es = epilogue_scalars(g);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr int kTransA = kACol ? 1 : 0;  // A column-major is M-major
   constexpr int kTransB = kBCol ? 0 : 1;  // B row-major is N-major
 
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kSm90Stages; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(empty0 + 8 * s, kSm90Consumers * 4);
+    }
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+
   const int wg = static_cast<int>(threadIdx.x) / 128;
   int64_t tile_m, tile_n;
   gemm_tile_of_block(blockIdx.x, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
-  const int64_t m0 = tile_m * kSm90BlockM, n0 = tile_n * kSm90BlockN;
-  const int64_t k_tiles = (g.k + kSm90BlockK - 1) / kSm90BlockK;
+  const int m0 = static_cast<int>(tile_m * kSm90BlockM), n0 = static_cast<int>(tile_n * kSm90BlockN);
+  const int k_tiles = static_cast<int>((g.k + kSm90BlockK - 1) / kSm90BlockK);
 
+  if (wg == 0) {
+    // ---- producer ----
+    sm90::setmaxnreg_dec<kSm90ProducerRegs>();
+    uint32_t it = 0;  // steps issued over all of this block's batches (thread 0's count)
+    for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
+      if (threadIdx.x == 0) {
+        const int ba = p.a_batched ? static_cast<int>(batch) : 0, bb = p.b_batched ? static_cast<int>(batch) : 0;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const uint32_t s = it % kSm90Stages, parity = (it / kSm90Stages) & 1u;
+          const uint32_t full = full0 + 8 * s;
+          sm90::mbar_wait(empty0 + 8 * s, parity ^ 1u);  // both consumers are done with the stage's last round
+          sm90::mbar_arrive_expect_tx(full, kSm90StageBytes);
+          const uint32_t sa = smem0 + s * kSm90StageBytes, sb = sa + kSm90ATileBytes;
+          const int k0 = kt * kSm90BlockK;
+          // A is (m, k): row-major is K-major (a box of 64 K x 128 rows), column-major two 64-wide M panels.
+          if constexpr (kACol) {
+#pragma unroll
+            for (int panel = 0; panel < kSm90BlockM / 64; ++panel)
+              sm90::tma_load_3d(sa + panel * kSm90PanelBytes, &p.a, m0 + 64 * panel, k0, ba, full);
+          } else {
+            sm90::tma_load_3d(sa, &p.a, k0, m0, ba, full);
+          }
+          // B is (k, n): column-major is K-major (64 K x 256 rows), row-major four 64-wide N panels.
+          if constexpr (kBCol) {
+            sm90::tma_load_3d(sb, &p.b, k0, n0, bb, full);
+          } else {
+#pragma unroll
+            for (int panel = 0; panel < kSm90BlockN / 64; ++panel)
+              sm90::tma_load_3d(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full);
+          }
+        }
+      }
+      __syncthreads();  // every MMA of the batch is done (so every copy has landed)
+      __syncthreads();  // the consumers staged their accumulators
+      __syncthreads();  // ... and read them: the stages are the next batch's copies' again
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  sm90::setmaxnreg_inc<kSm90ConsumerRegs>();
+  const int cw = wg - 1;  // this consumer's 64 rows of the tile
+  const int t = static_cast<int>(threadIdx.x) % 128, lane = t % 32;
+  const EpilogueScalars es = epilogue_scalars(g);
+  // After wgmma.wait_group has retired a stage's MMAs in this warp, the warp gives the stage back: one arrival
+  // a warp. (__syncwarp first: every lane has passed its wait before lane 0 speaks for the warp.)
+  auto release = [&](uint32_t step) {
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(empty0 + 8 * (step % kSm90Stages));
+  };
+  uint32_t it = 0;
   for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
-    const uint16_t* a = static_cast<const uint16_t*>(g.a.data) + batch * g.a.batch_stride;
-    const uint16_t* b = static_cast<const uint16_t*>(g.b.data) + batch * g.b.batch_stride;
-    // The tiles' origins at K = 0. A is (m, k): row-major is K-major; B is (k, n): column-major is K-major.
-    const uint16_t* a0 = kACol ? a + m0 : a + m0 * g.a.ld;
-    const uint16_t* b0 = kBCol ? b + n0 * g.b.ld : b + n0;
-    auto load_stage = [&](int64_t kt) {
-      unsigned char* sa = smem + static_cast<int>(kt % kSm90Stages) * kSm90StageBytes;
-      const int64_t k0 = kt * kSm90BlockK;
-      sm90_load_tile<kSm90BlockM, !kACol>(sa, a0 + (kACol ? k0 * g.a.ld : k0), g.a.ld, g.m - m0, g.k - k0);
-      sm90_load_tile<kSm90BlockN, kBCol>(sa + kSm90ATileBytes, b0 + (kBCol ? k0 : k0 * g.b.ld), g.b.ld, g.n - n0,
-                                         g.k - k0);
-    };
-
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      if (s < k_tiles) load_stage(s);
-      cp_async_commit();  // an empty group keeps the count of groups in step with the stages
-    }
-    for (int64_t kt = 0; kt < k_tiles; ++kt) {
-      cp_async_wait<1>();         // this thread's copies of stage kt have landed ...
-      sm90::fence_proxy_async();  // ... are visible to the MMAs' async proxy ...
-      __syncthreads();            // ... for every thread; and every warpgroup is done with stage kt - 2
-      if (kt + 2 < k_tiles) load_stage(kt + 2);
-      cp_async_commit();
-
-      const uint32_t sa = smem0 + static_cast<uint32_t>(kt % kSm90Stages) * kSm90StageBytes;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const uint32_t s = it % kSm90Stages;
+      sm90::mbar_wait(full0 + 8 * s, (it / kSm90Stages) & 1u);  // the stage's copies have landed
+      const uint32_t sa = smem0 + s * kSm90StageBytes;
       const uint32_t sb = sa + kSm90ATileBytes;
 #pragma unroll
       for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kSm90BlockK / 16; ++kk) {
-        // A: this warpgroup's 64 rows; K-major: 32 bytes further per 16 K inside the line, MN-major: 16 K lines.
-        const uint64_t da = kACol ? sm90::smem_desc128(sa + wg * kSm90PanelBytes + kk * 16 * sm90::kLineBytes,
+        // A: this consumer's 64 rows; K-major: 32 bytes further per 16 K inside the line, MN-major: 16 K lines.
+        const uint64_t da = kACol ? sm90::smem_desc128(sa + cw * kSm90PanelBytes + kk * 16 * sm90::kLineBytes,
                                                        kSm90PanelBytes, sm90::kAtomBytes)
-                                  : sm90::smem_desc128(sa + wg * 64 * sm90::kLineBytes + kk * 32, 16, sm90::kAtomBytes);
+                                  : sm90::smem_desc128(sa + cw * 64 * sm90::kLineBytes + kk * 32, 16, sm90::kAtomBytes);
         const uint64_t db = kBCol ? sm90::smem_desc128(sb + kk * 32, 16, sm90::kAtomBytes)
                                   : sm90::smem_desc128(sb + kk * 16 * sm90::kLineBytes, kSm90PanelBytes,
                                                        sm90::kAtomBytes);
         sm90::wgmma_m64n256k16<kBf16, kTransA, kTransB>(acc, da, db);
       }
       sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();
+      sm90::wgmma_wait<1>();  // the MMAs of step it - 1 are retired ...
 #pragma unroll
       for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
+      if (kt > 0) release(it - 1);  // ... and their stage goes back to the producer
     }
     sm90::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
-    cp_async_wait<0>();
+    if (k_tiles > 0) release(it - 1);
     __syncthreads();  // every MMA is done: the pipeline's shared memory becomes the epilogue's
 
     // ---- epilogue: the accumulators through shared memory, then 8 outputs of a row per step ----
     float* staged = reinterpret_cast<float*>(smem);
     {
-      const int t = static_cast<int>(threadIdx.x) % 128, w = t / 32, l = t % 32;
-      const int row = wg * 64 + w * 16 + l / 4;
+      const int w = t / 32;
+      const int row = cw * 64 + w * 16 + lane / 4;
 #pragma unroll
       for (int i = 0; i < 128; i += 2) {
-        const int r = row + 8 * ((i / 2) % 2), c = 8 * (i / 4) + 2 * (l % 4);
+        const int r = row + 8 * ((i / 2) % 2), c = 8 * (i / 4) + 2 * (lane % 4);
         *reinterpret_cast<float2*>(staged + r * kSm90EpiLd + c) = make_float2(acc[i], acc[i + 1]);
       }
     }
     __syncthreads();
     const int64_t out_base = batch * g.m * g.n;
     constexpr int kSegments = kSm90BlockM * kSm90BlockN / 8;
+    constexpr int kConsumerThreads = 128 * kSm90Consumers;
 #pragma unroll 1
-    for (int s = static_cast<int>(threadIdx.x); s < kSegments; s += kSm90Threads) {
+    for (int s = static_cast<int>(threadIdx.x) - 128; s < kSegments; s += kConsumerThreads) {
       const int r = s / (kSm90BlockN / 8), c = s % (kSm90BlockN / 8) * 8;
       const int64_t row = m0 + r, col8 = n0 + c;
       if (row >= g.m || col8 >= g.n) continue;
       epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, staged + r * kSm90EpiLd + c, kp.out_vector);
     }
-    __syncthreads();  // the next batch's stages overwrite the staged outputs
+    sm90::fence_proxy_async();  // these generic-proxy accesses come before the next batch's TMA writes
+    __syncthreads();            // the next batch's copies overwrite the staged outputs
   }
 }
 
 template <typename T, bool kACol, bool kBCol>
-__global__ void __launch_bounds__(kSm90Threads, 1) gemm_sm90_kernel(const __grid_constant__ KernelParams kp) {
+__global__ void __launch_bounds__(kSm90Threads, 1) gemm_sm90_kernel(const __grid_constant__ Sm90Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  gemm_body_sm90<T, kACol, kBCol>(kp);
+  gemm_body_sm90<T, kACol, kBCol>(p);
 #else
-  (void)kp;
+  (void)p;
   __trap();  // unreachable: the launcher takes this kernel only where the sm_90a image runs
 #endif
 }
 
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda); nullptr where the
+// driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // not sticky: clear it
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The tensor map of one operand: dimensions (contiguous, other, batch) with boxes of 64 x `rows` (K-major: 64 K
+// by the tile's M or N extent) or 64 x 64 (MN-major: a 64-wide panel by 64 K), the 128-byte swizzle,
+// out-of-bounds elements read as zeros. False where the driver refuses it (the caller takes the WMMA kernel).
+bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int64_t cols, int64_t batch, bool k_major,
+                        int box_rows, bool* batched) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (!encode) return false;
+  // Element (r, c) of the (rows x cols) matrix is at r * ld + c (row-major) or c * ld + r (column-major).
+  const int64_t inner = m.col_major ? rows : cols, outer = m.col_major ? cols : rows;
+  *batched = batch > 1 && m.batch_stride != 0;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
+                              static_cast<cuuint64_t>(*batched ? batch : 1)};
+  const int64_t ld_bytes = m.ld * 2;
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld_bytes),
+                                 static_cast<cuuint64_t>(*batched ? m.batch_stride * 2 : ld_bytes * outer)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(k_major ? box_rows : 64), 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUtensorMapDataType type =
+      m.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode(map, type, 3, const_cast<void*>(m.data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 template <typename T, bool kACol, bool kBCol>
-void launch_sm90(const KernelParams& kp, int64_t blocks, int64_t grid_y, cudaStream_t stream) {
+void launch_sm90(const Sm90Params& p, int64_t blocks, int64_t grid_y, cudaStream_t stream) {
   auto kernel = gemm_sm90_kernel<T, kACol, kBCol>;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
              "gemm: setting the shared-memory size");
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(grid_y));
-  kernel<<<grid, kSm90Threads, kSm90SmemBytes, stream>>>(kp);
+  kernel<<<grid, kSm90Threads, kSm90SmemBytes, stream>>>(p);
   cuda_check(cudaGetLastError(), "gemm kernel launch");
 }
 
+// Launches the Hopper kernel; false (nothing launched) where it cannot take these operands: K = 0 (no copies
+// to make), coordinates past int32, or a tensor map the driver refuses.
 template <typename T>
-void dispatch_layout_sm90(KernelParams kp, const GemmPlan& plan, cudaStream_t stream) {
-  kp.tiles_m = (kp.g.m + kSm90BlockM - 1) / kSm90BlockM;
-  kp.tiles_n = (kp.g.n + kSm90BlockN - 1) / kSm90BlockN;
-  const int64_t blocks = kp.tiles_m * kp.tiles_n;
+bool dispatch_layout_sm90(const KernelParams& kp_in, const GemmPlan& plan, cudaStream_t stream) {
+  const GemmArgs& g = kp_in.g;
+  constexpr int64_t kMaxCoord = 0x7fffffff - 256;  // TMA coordinates are int32; a box may start past the extent
+  if (g.k <= 0 || g.m > kMaxCoord || g.n > kMaxCoord || g.k > kMaxCoord || g.batch > kMaxCoord) return false;
+  Sm90Params p{};
+  p.kp = kp_in;
+  bool a_batched = false, b_batched = false;
+  if (!encode_operand_map(&p.a, g.a, g.m, g.k, g.batch, !g.a.col_major, kSm90BlockM, &a_batched) ||
+      !encode_operand_map(&p.b, g.b, g.k, g.n, g.batch, g.b.col_major, kSm90BlockN, &b_batched))
+    return false;
+  p.a_batched = a_batched ? 1 : 0;
+  p.b_batched = b_batched ? 1 : 0;
+  p.kp.tiles_m = (g.m + kSm90BlockM - 1) / kSm90BlockM;
+  p.kp.tiles_n = (g.n + kSm90BlockN - 1) / kSm90BlockN;
+  const int64_t blocks = p.kp.tiles_m * p.kp.tiles_n;
   if (blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
-  const bool ac = kp.g.a.col_major, bc = kp.g.b.col_major;
-  if (!ac && !bc) return launch_sm90<T, false, false>(kp, blocks, plan.grid_y, stream);
-  if (!ac && bc) return launch_sm90<T, false, true>(kp, blocks, plan.grid_y, stream);
-  if (ac && !bc) return launch_sm90<T, true, false>(kp, blocks, plan.grid_y, stream);
-  return launch_sm90<T, true, true>(kp, blocks, plan.grid_y, stream);
+  const bool ac = g.a.col_major, bc = g.b.col_major;
+  if (!ac && !bc) launch_sm90<T, false, false>(p, blocks, plan.grid_y, stream);
+  else if (!ac && bc) launch_sm90<T, false, true>(p, blocks, plan.grid_y, stream);
+  else if (ac && !bc) launch_sm90<T, true, false>(p, blocks, plan.grid_y, stream);
+  else launch_sm90<T, true, true>(p, blocks, plan.grid_y, stream);
+  return true;
 }
 
 template <typename T>
@@ -642,7 +734,9 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   cuda_check(cudaGetDevice(&device), "gemm: cudaGetDevice");
   const std::string unsupported = gemm_unsupported(args.a.dtype, device);
   if (!unsupported.empty()) throw std::runtime_error(unsupported);
-  const GemmPlan plan = plan_gemm(args.batch, args.m, args.n, args.a, args.b);
+  int max_grid_y = 0;
+  cuda_check(cudaDeviceGetAttribute(&max_grid_y, cudaDevAttrMaxGridDimY, device), "gemm: device query");
+  const GemmPlan plan = plan_gemm(args.batch, args.m, args.n, args.a, args.b, max_grid_y);
   if (plan.blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
   const int64_t out_elems = 16 / dtype_size(args.out_dtype);
   const bool out_vector = args.n % out_elems == 0 && reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
@@ -650,9 +744,9 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   const KernelParams kp{args, plan.tiles_m, plan.tiles_n, out_vector};
   const bool bf16 = args.a.dtype == DType::kBFloat16;
   if (gemm_sm90_selected(plan.vector_path, device)) {
-    if (bf16) dispatch_layout_sm90<__nv_bfloat16>(kp, plan, stream);
-    else dispatch_layout_sm90<__half>(kp, plan, stream);
-    return;
+    // Where it cannot take the operands (K = 0, a tensor map the driver refuses), the WMMA kernel runs.
+    if (bf16 ? dispatch_layout_sm90<__nv_bfloat16>(kp, plan, stream) : dispatch_layout_sm90<__half>(kp, plan, stream))
+      return;
   }
   if (bf16) dispatch_layout<__nv_bfloat16>(kp, plan, stream);
   else dispatch_layout<__half>(kp, plan, stream);

@@ -12,7 +12,7 @@ SOURCE's lines (a #line directive names it):
   - ``__shared__ T name[dims];`` becomes a reference to the block's shared slot of that declaration, and
     ``extern __shared__ __align__(A) T name[];`` a pointer to the block's dynamic shared memory;
   - the cp.async inline assembly becomes calls of the simulator's cp.async, and wgmma.cuh's (the warpgroup MMA,
-    its fences, commits and waits) calls of the simulator's wgmma;
+    its fences, commits and waits; mbarriers, TMA copies, setmaxnreg) calls of the simulator's;
   - a ``const __grid_constant__ T name`` parameter becomes ``const T& name``: read in place, as on the GPU,
     instead of a copy per thread (up to 32 KB each).
 Any other ``asm`` or ``__shared__`` left over is an error: the simulator would not know what it does.
@@ -135,6 +135,24 @@ def _asm_call(m: re.Match) -> str:
         if not inner:
             raise ValueError(f"cp.async destination {dst!r}: expected smem_addr(pointer)")
         return f"::mpf_sim::cp_async_cg16({inner[1]}, {src}, {size});"
+    if insn == "mbarrier.init.shared::cta.b64 [%0], %1":
+        return f"::mpf_sim::mbar_init({operands[0]}, {operands[1]});"
+    if insn == "fence.mbarrier_init.release.cluster":
+        return "::mpf_sim::fence_mbarrier_init();"
+    if insn == "mbarrier.arrive.shared::cta.b64 _, [%0]":
+        return f"::mpf_sim::mbar_arrive({operands[0]}, false, 0);"
+    if insn == "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1":
+        return f"::mpf_sim::mbar_arrive({operands[0]}, true, {operands[1]});"
+    if insn == "{.reg .pred p;mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;selp.u32 %0, 1, 0, p;}":
+        out = re.search(r'"=r"\((\w+)\)', m["operands"])
+        if not out:
+            raise ValueError("mbarrier.try_wait without its output operand")
+        return f"{out[1]} = ::mpf_sim::mbar_try_wait_parity({operands[0]}, {operands[1]}) ? 1u : 0u;"
+    if insn == ("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                "[%0], [%1, {%2, %3, %4}], [%5]"):
+        return f"::mpf_sim::tma_load_3d({', '.join(operands)});"
+    if insn in ("setmaxnreg.dec.sync.aligned.u32 %0", "setmaxnreg.inc.sync.aligned.u32 %0"):
+        return f"::mpf_sim::setmaxnreg({operands[0]});"
     if insn == "cp.async.commit_group":
         return "::mpf_sim::cp_async_commit();"
     if insn == "cp.async.wait_group %0":
@@ -144,7 +162,7 @@ def _asm_call(m: re.Match) -> str:
 
 def rewrite_asm(text: str) -> str:
     text = WGMMA.sub(_wgmma_call, text)
-    text = ASM.sub(_asm_call, text)
+    text = ASM.sub(lambda m: _asm_call(m) + "\n" * m[0].count("\n"), text)  # the line count stays
     if re.search(r"\basm\b", text):
         raise ValueError("an asm statement the rewriter does not understand")
     return text

@@ -9,6 +9,8 @@
 // knows which stack is current.
 #include "sim.h"
 
+#include <cuda.h>  // include/cuda.h: the tensor maps
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -205,8 +207,31 @@ struct Fiber {
   const void* stack_bottom() const { return stack; }
 };
 
+// An mbarrier (sim.h). Fixed arrays, allocated by the scheduler: under ThreadSanitizer the allocator's
+// interceptors would see containers grown by one fiber and freed by another as races of theirs.
+struct TmaCopy {
+  unsigned char* dst;
+  TmaBox box;
+};
+struct MBar {
+  uint32_t addr = 0;
+  unsigned count = 0, pending = 0;  // count 0: not initialised
+  uint64_t tx_expect = 0, tx_issued = 0;
+  uint64_t phase = 0;
+  TmaCopy copies[16];
+  unsigned num_copies = 0;
+  Fiber* waiting[1024];
+  unsigned num_waiting = 0;
+  char sync = 0;  // TSan: arrivals and copies release it, waits that return acquire it
+};
+struct MBarTable {
+  MBar bars[32];
+  unsigned used = 0;
+};
+
 struct BlockState {
   unsigned nthreads = 0;
+  std::unique_ptr<MBarTable> mbars;
   Barrier bar;
   std::vector<Barrier> warps;
   std::map<const void*, void*> slots;
@@ -601,6 +626,151 @@ void cp_async_wait(int pending) {
   f.cp_groups.erase(f.cp_groups.begin(), f.cp_groups.begin() + static_cast<std::ptrdiff_t>(land));
 }
 
+// ---- mbarriers and TMA copies -----------------------------------------------------------------------------------
+namespace {
+
+MBar& mbar_at(uint32_t bar, const char* what, bool init = false) {
+  BlockState& b = *tctx->block;
+  if (bar % 8 != 0) trap(std::string(what) + ": mbarrier address not 8-byte aligned");
+  if (bar < kSharedWindowStart || bar - kSharedWindowStart + 8 > b.dynamic_bytes)
+    trap(std::string(what) + ": mbarrier outside the block's dynamic shared memory");
+  MBarTable& t = *b.mbars;
+  for (unsigned i = 0; i < t.used; ++i)
+    if (t.bars[i].addr == bar) return t.bars[i];
+  if (!init) trap(std::string(what) + ": an mbarrier that was never initialised");
+  if (t.used == 32) trap("mbarrier: more than 32 in a block (the simulator's limit)");
+  MBar& m = t.bars[t.used++];
+  m.addr = bar;
+  return m;
+}
+
+bool phase_ready(const MBar& m) { return m.count != 0 && m.pending == 0 && m.tx_issued == m.tx_expect; }
+
+// Completes the current phase in the calling thread: its copies land, waiters go on.
+void complete_phase(MBar& m) {
+  for (unsigned i = 0; i < m.num_copies; ++i) land_tma_box(m.copies[i].dst, m.copies[i].box);
+  m.num_copies = 0;
+  m.pending = m.count;
+  m.tx_expect = m.tx_issued = 0;
+  ++m.phase;
+  for (unsigned i = 0; i < m.num_waiting; ++i)
+    if (m.waiting[i]->state == Fiber::kWaiting) m.waiting[i]->state = Fiber::kReady;
+  m.num_waiting = 0;
+#if MPF_SIM_TSAN
+  __tsan_release(&m.sync);
+#endif
+}
+
+// After an arrival or a copy: a phase whose copies cover its bytes wakes its waiters (the first lands them);
+// one without copies completes at once.
+void progress(MBar& m) {
+  if (m.pending == 0 && m.tx_issued > m.tx_expect)
+    trap("mbarrier: TMA copies of more bytes than its phase's expect_tx announced");
+  if (!phase_ready(m)) return;
+  if (m.num_copies == 0) {
+    complete_phase(m);
+    return;
+  }
+  for (unsigned i = 0; i < m.num_waiting; ++i)
+    if (m.waiting[i]->state == Fiber::kWaiting) m.waiting[i]->state = Fiber::kReady;
+  m.num_waiting = 0;
+}
+
+// The tensor map as cuTensorMapEncodeTiled stores it in the simulator.
+struct SimTensorMap {
+  uint64_t magic;
+  const unsigned char* base;
+  uint64_t dims[5], strides[5];
+  uint32_t box[5];
+  uint32_t rank, elem_bytes, swizzle;
+};
+constexpr uint64_t kTensorMapMagic = 0x6D70662D746D6170ull;
+static_assert(sizeof(SimTensorMap) <= sizeof(CUtensorMap), "the simulator's tensor map fits the opaque one");
+
+}  // namespace
+
+void mbar_init(uint32_t bar, uint32_t count) {
+  if (count == 0 || count >= (1u << 20)) trap("mbarrier.init: count outside [1, 2^20 - 1]");
+  MBar& m = mbar_at(bar, "mbarrier.init", true);
+  if (m.num_copies != 0 || m.num_waiting != 0) trap("mbarrier.init of an mbarrier in use");
+  m.count = m.pending = count;
+  m.tx_expect = m.tx_issued = 0;
+  m.phase = 0;
+}
+
+void fence_mbarrier_init() {}
+
+void mbar_arrive(uint32_t bar, bool expect_tx, uint32_t bytes) {
+  MBar& m = mbar_at(bar, "mbarrier.arrive");
+  if (phase_ready(m)) complete_phase(m);  // a completed phase whose copies nobody waited for yet
+  if (m.pending == 0) trap("mbarrier.arrive: more arrivals than its count in one phase");
+  if (expect_tx) m.tx_expect += bytes;
+  --m.pending;
+#if MPF_SIM_TSAN
+  __tsan_release(&m.sync);
+#endif
+  progress(m);
+}
+
+bool mbar_try_wait_parity(uint32_t bar, uint32_t parity) {
+  Fiber& f = *sched().current;
+  for (;;) {
+    MBar& m = mbar_at(bar, "mbarrier.try_wait");
+#if MPF_SIM_TSAN
+    __tsan_acquire(&m.sync);
+#endif
+    if ((m.phase & 1u) != (parity & 1u)) return true;  // the phase of that parity has completed
+    if (phase_ready(m)) {
+      complete_phase(m);
+      continue;
+    }
+    m.waiting[m.num_waiting++] = &f;
+    f.state = Fiber::kWaiting;
+    to_scheduler(f, false);
+    if (f.abort) {
+      for (unsigned i = 0; i < m.num_waiting; ++i)
+        if (m.waiting[i] == &f) {
+          m.waiting[i] = m.waiting[--m.num_waiting];
+          break;
+        }
+      throw Trap{"deadlock: the block's threads wait at barriers that cannot complete (an mbarrier's phase)"};
+    }
+  }
+}
+
+void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
+  SimTensorMap t;
+  std::memcpy(&t, map, sizeof t);
+  if (t.magic != kTensorMapMagic) trap("cp.async.bulk.tensor: not a tensor map from cuTensorMapEncodeTiled");
+  if (t.rank != 3) trap("cp.async.bulk.tensor.3d: the tensor map's rank is not 3");
+  if (t.swizzle != CU_TENSOR_MAP_SWIZZLE_128B || t.box[0] * t.elem_bytes != 128)
+    trap("cp.async.bulk.tensor: the simulator models the 128-byte swizzle over 128-byte box rows only");
+  if (dst % 1024 != 0)
+    trap("cp.async.bulk.tensor: a 128-byte-swizzled destination not 1024-byte aligned");
+  const size_t bytes = size_t{t.box[0]} * t.box[1] * t.box[2] * t.elem_bytes;
+  BlockState& b = *tctx->block;
+  if (dst < kSharedWindowStart || dst - kSharedWindowStart + bytes > b.dynamic_bytes)
+    trap("cp.async.bulk.tensor: destination outside the block's dynamic shared memory");
+  unsigned char* d = b.dynamic_base + (dst - kSharedWindowStart);
+  MBar& m = mbar_at(bar, "cp.async.bulk.tensor");
+  if (phase_ready(m)) complete_phase(m);
+  if (m.num_copies == 16) trap("cp.async.bulk.tensor: more than 16 copies on one mbarrier phase (the simulator's limit)");
+  TmaBox box{t.base, {t.dims[0], t.dims[1], t.dims[2]}, {t.elem_bytes, t.strides[1], t.strides[2]},
+             {t.box[0], t.box[1], t.box[2]}, {c0, c1, c2}};
+  land_poison(d, bytes);
+  m.copies[m.num_copies++] = TmaCopy{d, box};
+  m.tx_issued += bytes;
+#if MPF_SIM_TSAN
+  __tsan_release(&m.sync);
+#endif
+  progress(m);
+}
+
+void setmaxnreg(unsigned regs) {
+  if (tctx->block->nthreads % 128 != 0) trap("setmaxnreg: the block is not made of whole warpgroups");
+  if (regs < 24 || regs > 256 || regs % 8 != 0) trap("setmaxnreg: a count outside [24, 256] or not a multiple of 8");
+}
+
 void run(const LaunchShape& s, const std::function<void()>& body) {
   const Config& cfg = config();
   const uint64_t threads = uint64_t{s.block.x} * s.block.y * s.block.z;
@@ -609,8 +779,8 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
     last_error = e;
   };
   if (sched().current) trap("a kernel launched from a kernel");
-  if (s.grid.x == 0 || s.grid.y == 0 || s.grid.z == 0 || s.grid.x > 0x7fffffffu || s.grid.y > 65535 || s.grid.z > 65535)
-    return refuse(cudaErrorInvalidConfiguration, "grid outside (2^31 - 1, 65535, 65535)");
+  if (s.grid.x == 0 || s.grid.y == 0 || s.grid.z == 0 || s.grid.x > 0x7fffffffu || s.grid.y > cfg.max_grid_y || s.grid.z > cfg.max_grid_y)
+    return refuse(cudaErrorInvalidConfiguration, "grid outside (2^31 - 1, max_grid_y, max_grid_y)");
   if (threads == 0 || threads > 1024 || s.block.z > 64) return refuse(cudaErrorInvalidConfiguration, "block size");
   size_t dyn_limit = cfg.dynamic_smem_default;
   {
@@ -643,6 +813,7 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
   for (uint64_t linear_block : order) {
     BlockState b;
     b.nthreads = nthreads;
+    b.mbars.reset(new MBarTable());
     b.bar.expected = nthreads;
     const unsigned nwarps = (nthreads + 31) / 32;
     b.warps.resize(nwarps);
@@ -756,6 +927,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   const mpf_sim::Config& c = mpf_sim::config();
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = c.sms; return cudaSuccess;
+    case cudaDevAttrMaxGridDimY: *value = static_cast<int>(c.max_grid_y); return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor: *value = c.cc_major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = c.cc_minor; return cudaSuccess;
   }
@@ -764,6 +936,63 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
 
 cudaError_t cudaDriverGetVersion(int* version) {
   *version = mpf_sim::config().driver_version;
+  return cudaSuccess;
+}
+
+CUresult cuTensorMapEncodeTiled(CUtensorMap* tensorMap, CUtensorMapDataType tensorDataType, cuuint32_t tensorRank,
+                                void* globalAddress, const cuuint64_t* globalDim, const cuuint64_t* globalStrides,
+                                const cuuint32_t* boxDim, const cuuint32_t* elementStrides, CUtensorMapInterleave interleave,
+                                CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2Promotion, CUtensorMapFloatOOBfill oobFill) {
+  using mpf_sim::SimTensorMap;
+  // The driver's documented requirements (cuda.h), for the modes the simulator models.
+  if (mpf_sim::config().refuse_tensor_maps) return CUDA_ERROR_INVALID_VALUE;
+  if (reinterpret_cast<uintptr_t>(tensorMap) % 64 != 0 || tensorRank == 0 || tensorRank > 5) return CUDA_ERROR_INVALID_VALUE;
+  if (tensorDataType != CU_TENSOR_MAP_DATA_TYPE_UINT16 && tensorDataType != CU_TENSOR_MAP_DATA_TYPE_FLOAT16 &&
+      tensorDataType != CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    return CUDA_ERROR_INVALID_VALUE;
+  const uint32_t elem = 2;
+  if (reinterpret_cast<uintptr_t>(globalAddress) % 16 != 0 || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (l2Promotion > CU_TENSOR_MAP_L2_PROMOTION_L2_256B || oobFill > CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)
+    return CUDA_ERROR_INVALID_VALUE;
+  SimTensorMap t{};
+  for (cuuint32_t i = 0; i < tensorRank; ++i) {
+    if (globalDim[i] == 0 || globalDim[i] > (uint64_t{1} << 32)) return CUDA_ERROR_INVALID_VALUE;
+    if (boxDim[i] == 0 || boxDim[i] > 256) return CUDA_ERROR_INVALID_VALUE;
+    if (elementStrides[i] != 1) return CUDA_ERROR_INVALID_VALUE;  // the simulator models unit traversal strides only
+    if (i > 0 && (globalStrides[i - 1] % 16 != 0 || globalStrides[i - 1] >= (uint64_t{1} << 40))) return CUDA_ERROR_INVALID_VALUE;
+    t.dims[i] = globalDim[i];
+    t.strides[i] = i == 0 ? elem : globalStrides[i - 1];
+    t.box[i] = boxDim[i];
+  }
+  const uint32_t inner = boxDim[0] * elem;
+  if (inner % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
+  const uint32_t span[] = {0, 32, 64, 128};
+  if (swizzle > CU_TENSOR_MAP_SWIZZLE_128B || (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && inner > span[swizzle]))
+    return CUDA_ERROR_INVALID_VALUE;
+  t.magic = mpf_sim::kTensorMapMagic;
+  t.base = static_cast<const unsigned char*>(globalAddress);
+  t.rank = tensorRank;
+  t.elem_bytes = elem;
+  t.swizzle = swizzle;
+  std::memset(tensorMap, 0, sizeof *tensorMap);
+  std::memcpy(tensorMap, &t, sizeof t);
+  return CUDA_SUCCESS;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version, unsigned long long,
+                                             cudaDriverEntryPointQueryResult* status) {
+  *fn = nullptr;
+  if (std::strcmp(symbol, "cuTensorMapEncodeTiled") != 0) {
+    if (status) *status = cudaDriverEntryPointSymbolNotFound;
+    return cudaSuccess;
+  }
+  if (version < 12000 || static_cast<int>(version) > mpf_sim::config().driver_version) {
+    if (status) *status = cudaDriverEntryPointVersionNotSufficent;
+    return cudaSuccess;
+  }
+  *fn = reinterpret_cast<void*>(&cuTensorMapEncodeTiled);
+  if (status) *status = cudaDriverEntryPointSuccess;
   return cudaSuccess;
 }
 

@@ -206,6 +206,38 @@ void fence_proxy_async();
 // d == nullptr only the hash of the operands it reads. Returns that hash.
 uint64_t wgmma_operands(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans_a, int trans_b, bool bf16, unsigned t);
 
+// ---- Hopper: mbarriers and TMA copies (wgmma.cuh) -----------------------------------------------------------
+// An mbarrier is kept beside its 8 bytes of dynamic shared memory (the kernel never reads them): its count, the
+// arrivals and transaction bytes its current phase still awaits, the phase number, and the TMA copies in flight
+// on it. A phase completes when every expected arrival has come and the copies issued on it cover the bytes that
+// expect_tx announced (more bytes than announced traps). Its copies land only then, in the first thread that
+// waits on the phase (or arrives on the next one): until then their destination holds garbage (0xFF bytes, the
+// issuing thread's writes), so a read that no wait orders after the copy shows. try_wait.parity blocks the
+// thread until the phase of that parity has completed; threads that all wait on phases that cannot complete are
+// reported as a deadlock. Under ThreadSanitizer an arrival or a copy's issue releases the barrier, and a wait
+// that returns acquires it: the kernels' hand-overs through mbarriers are their only ordering.
+void mbar_init(uint32_t bar, uint32_t count);
+void fence_mbarrier_init();
+void mbar_arrive(uint32_t bar, bool expect_tx, uint32_t bytes);
+bool mbar_try_wait_parity(uint32_t bar, uint32_t parity);
+// cp.async.bulk.tensor.3d (tile mode) of the box at (c0, c1, c2) of a map from cuTensorMapEncodeTiled into shared
+// memory at dst, completing on mbarrier bar: out-of-bounds elements land as zeros; the 128-byte swizzle (the only
+// mode simulated) XORs a 16-byte chunk's index with its 128-byte line's index mod 8, from address bits, so dst
+// must be 1024-byte aligned.
+void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar);
+// setmaxnreg: no registers to move here; checks that the block is made of whole warpgroups.
+void setmaxnreg(unsigned regs);
+// sim_land.cpp: a TMA copy's garbage, and its landing (global reads and shared writes as the calling thread's).
+struct TmaBox {
+  const unsigned char* base;
+  uint64_t dims[3];
+  uint64_t strides[3];  // bytes; strides[0] is the element size
+  uint32_t box[3];
+  int coord[3];
+};
+void land_tma_box(unsigned char* dst, const TmaBox& box);
+void land_poison(unsigned char* dst, size_t bytes);
+
 }  // namespace mpf_sim
 
 // ---- device functions ---------------------------------------------------------------------------------------
@@ -391,6 +423,7 @@ struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 
 enum cudaDeviceAttr {
+  cudaDevAttrMaxGridDimY = 6,
   cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
@@ -413,6 +446,16 @@ cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t cudaDriverGetVersion(int* version);
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr);
+
+// The driver's entry points through the runtime: cuTensorMapEncodeTiled (include/cuda.h) only.
+enum cudaDriverEntryPointQueryResult {
+  cudaDriverEntryPointSuccess = 0,
+  cudaDriverEntryPointSymbolNotFound = 1,
+  cudaDriverEntryPointVersionNotSufficent = 2,
+};
+constexpr unsigned long long cudaEnableDefault = 0;
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version, unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult* status);
 
 template <class... P>
 cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {

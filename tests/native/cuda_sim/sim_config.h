@@ -15,6 +15,8 @@ struct Config {
   size_t dynamic_smem_default = 48 * 1024;
   size_t smem_optin_limit = 227 * 1024;  // per block, static + dynamic (sm_90; sm_80: 163 KB, sm_75: 64 KB)
   bool shuffle_blocks = true;
+  unsigned max_grid_y = 65535;      // grid.y and grid.z limit (cudaDevAttrMaxGridDimY); lower it to have kernels loop
+  bool refuse_tensor_maps = false;  // cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (as a driver may)
 };
 Config& config();
 

@@ -25,6 +25,30 @@ void land_poison16(void* dst) {
   for (int i = 0; i < 16; ++i) d[i] = 0xff;
 }
 
+void land_poison(unsigned char* dst, size_t bytes) {
+  for (size_t i = 0; i < bytes; ++i) dst[i] = 0xff;
+}
+
+// A TMA box, element by element: box row (i1, i2) is one 128-byte line, its 16-byte chunks swizzled with the
+// line's index mod 8 (the 128-byte swizzle over a 1024-byte aligned destination). Elements outside the map's
+// extents are zeros and are not read.
+void land_tma_box(unsigned char* dst, const TmaBox& b) {
+  const size_t es = b.strides[0];
+  for (uint32_t i2 = 0; i2 < b.box[2]; ++i2)
+    for (uint32_t i1 = 0; i1 < b.box[1]; ++i1)
+      for (uint32_t i0 = 0; i0 < b.box[0]; ++i0) {
+        const int64_t x[3] = {int64_t{b.coord[0]} + i0, int64_t{b.coord[1]} + i1, int64_t{b.coord[2]} + i2};
+        const bool inside = x[0] >= 0 && x[1] >= 0 && x[2] >= 0 && static_cast<uint64_t>(x[0]) < b.dims[0] &&
+                            static_cast<uint64_t>(x[1]) < b.dims[1] && static_cast<uint64_t>(x[2]) < b.dims[2];
+        const size_t off = ((size_t{i2} * b.box[1] + i1) * b.box[0] + i0) * es;
+        const size_t to = off ^ (((off >> 7) & 7u) << 4);
+        if (inside)
+          std::memcpy(dst + to, b.base + x[0] * b.strides[0] + x[1] * b.strides[1] + x[2] * b.strides[2], es);
+        else
+          std::memset(dst + to, 0, es);
+      }
+}
+
 namespace {
 
 // A shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride

@@ -868,6 +868,10 @@ void test_gemm(std::mt19937& rng) {
     mpf_sim::config().smem_optin_limit = 64 * 1024;
   }
   for (const GemmCase& gc : cases) gemm_case(gc, rng);
+  // Blocks that loop over batches (a device whose grid.y limit is below the batch count).
+  mpf_sim::config().max_grid_y = 2;
+  gemm_case({5, 40, 36, 72, false, true, 0, DType::kFloat16, DType::kFloat32, true, true, true, Activation::kRelu, true}, rng);
+  mpf_sim::config().max_grid_y = 65535;
 
   if (sm75) return;
   // BF16 on a GPU below sm_80: refused with a message naming the GPU, before any launch.
@@ -936,6 +940,23 @@ void test_gemm_wgmma(std::mt19937& rng) {
           "%lldx%lldx%lld a_col %d b_col %d: the Hopper kernel ran (%zu bytes of shared memory)", static_cast<long long>(gc.m),
           static_cast<long long>(gc.n), static_cast<long long>(gc.k), gc.a_col, gc.b_col, mpf_sim::stats().last_dynamic_smem);
   }
+  // Blocks that loop over batches (a device whose grid.y limit is below the batch count): the pipeline's
+  // mbarrier phases run on from one batch to the next (5 K steps a batch, over 4 stages), and the epilogue's
+  // staging shares the stages with the next batch's copies.
+  cfg.max_grid_y = 2;
+  for (const GemmCase& gc : {GemmCase{5, 136, 264, 300, false, false, -1, DType::kFloat16, DType::kFloat16, true, true, false,
+                                      Activation::kRelu, false},
+                             GemmCase{5, 37, 29, 72, true, true, -1, DType::kBFloat16, DType::kFloat32, false, true, true,
+                                      Activation::kGelu, true}}) {
+    gemm_case(gc, rng);
+    CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024, "batches over grid.y: the Hopper kernel ran");
+  }
+  cfg.max_grid_y = 65535;
+  // A tensor map the driver refuses: the WMMA kernel runs instead, with the same results.
+  cfg.refuse_tensor_maps = true;
+  gemm_case({2, 136, 264, 72, false, true, 0, DType::kBFloat16, DType::kFloat32, true, true, false, Activation::kGelu, false}, rng);
+  CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "a refused tensor map: the WMMA kernel");
+  cfg.refuse_tensor_maps = false;
   // Misaligned operands take the WMMA kernel's element path.
   gemm_case({1, 33, 40, 24, false, false, 3, DType::kFloat16, DType::kFloat16, true, false, true, Activation::kNone, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "misaligned operands: the WMMA kernel");
