@@ -1,10 +1,12 @@
 // Kernels with known defects, for the simulator's own tests (test_cuda_sim.cpp, part "self"): each must be caught.
 // Compiled like csrc/cuda's sources (rewrite.py), never part of the extension.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "../core/numeric.h"  // as csrc/cuda/ includes it (rewrite.py resolves it against csrc/)
+#include "wgmma.cuh"          // csrc/cuda's, as rewritten for the simulator (beside this file's rewrite)
 
 namespace mpf_sim_selftest {
 namespace {
@@ -68,7 +70,66 @@ __global__ void narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n) {
   }
 }
 
+// One TMA copy of a 64 x 8 box at (8, 1) of `map` into 1024-byte aligned shared memory, completing on an mbarrier;
+// with `wait`, every thread waits on its phase before reading; each thread then copies part of the raw (swizzled)
+// box to out (512 16-bit values).
+__global__ void tma_box(const __grid_constant__ CUtensorMap map, uint16_t* out, int wait) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024 - raw % 1024) % 1024;
+  const uint32_t box = raw + pad, bar = box + 1024;
+  if (threadIdx.x == 0) {
+    mpf::sm90::mbar_init(bar, 1);
+    mpf::sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mpf::sm90::mbar_arrive_expect_tx(bar, 1024);
+    mpf::sm90::tma_load_3d(box, &map, 8, 1, 0, bar);
+  }
+  if (wait) mpf::sm90::mbar_wait(bar, 0);
+  const uint16_t* tile = reinterpret_cast<const uint16_t*>(smem_raw + pad);
+  for (unsigned i = threadIdx.x; i < 512; i += blockDim.x) out[i] = tile[i];
+}
+
+// Waits on the first phase of an mbarrier that nothing arrives on: a deadlock.
+__global__ void mbar_never(int* out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if (threadIdx.x == 0) mpf::sm90::mbar_init(bar, 1);
+  __syncthreads();
+  mpf::sm90::mbar_wait(bar, 0);
+  out[threadIdx.x] = 1;
+}
+
 }  // namespace
+
+// The tensor map of a rows x cols matrix of 16-bit values with `ld` elements between rows: boxes of box0 x 8 x 1,
+// the 128-byte swizzle. Returns cuTensorMapEncodeTiled's CUresult.
+int encode_map(CUtensorMap* map, const uint16_t* data, int rows, int cols, int ld, int box0) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), 1};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 2, static_cast<cuuint64_t>(ld) * 2 * rows};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box0), 8, 1}, unit[3] = {1, 1, 1};
+  return static_cast<int>(cuTensorMapEncodeTiled(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<uint16_t*>(data), dims,
+                                                 strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+}
+
+int run_tma_encode(const uint16_t* data, int rows, int cols, int ld, int box0) {
+  CUtensorMap map;
+  return encode_map(&map, data, rows, cols, ld, box0);
+}
+int run_tma_box(const uint16_t* data, int rows, int cols, int ld, uint16_t* out, bool wait) {
+  CUtensorMap map;
+  if (encode_map(&map, data, rows, cols, ld, 64) != 0) return -1;
+  cudaFuncSetAttribute(tma_box, cudaFuncAttributeMaxDynamicSharedMemorySize, 4096);
+  tma_box<<<1, 128, 4096>>>(map, out, wait ? 1 : 0);
+  return static_cast<int>(cudaGetLastError());
+}
+int run_mbar_never(int* out) {
+  mbar_never<<<1, 32, 64>>>(out);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int run_narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n) {
   narrow<<<(n + 255) / 256, 256>>>(in, bf16, f16, n);

@@ -973,6 +973,9 @@ int run_traps(int* out);
 int run_grid_y(int* out, unsigned blocks_y);
 int run_shared_overrun(int* out, int index);
 int run_narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n);
+int run_tma_encode(const uint16_t* data, int rows, int cols, int ld, int box0);
+int run_tma_box(const uint16_t* data, int rows, int cols, int ld, uint16_t* out, bool wait);
+int run_mbar_never(int* out);
 }  // namespace mpf_sim_selftest
 
 namespace {
@@ -1003,6 +1006,34 @@ void test_self(std::mt19937&) {
   CHECK(st::run_grid_y(ys.data(), 65536) == mpf_sim::kErrorInvalidConfiguration, "grid.y > 65535 is refused");
   CHECK(st::run_grid_y(ys.data(), 3) == 0 && ys[2] == 1, "a grid of 3 in y runs");
   CHECK(st::run_shared_overrun(ints.data(), 31) == 0 && ints[0] == 1, "a read inside a shared array runs");
+
+  // TMA and mbarriers (the Hopper GEMM's pipeline). A 5 x 40 matrix (48 elements a row) and a 64 x 8 box at
+  // (8, 1): row r, column c of the box is element (1 + r, 8 + c), zero outside the matrix, at byte offset
+  // o = 2 (64 r + c) swizzled to o ^ ((o / 128 % 8) * 16).
+  const int rows = 5, cols = 40, ld = 48;
+  std::vector<uint16_t> data(static_cast<size_t>(rows * ld));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ld; ++c) data[static_cast<size_t>(r * ld + c)] = static_cast<uint16_t>(c < cols ? 1 + 100 * r + c : 0xBEEF);
+  CHECK(st::run_tma_encode(data.data(), rows, cols, 44, 64) != 0, "a tensor map whose row stride is not a multiple of 16 bytes is refused");
+  CHECK(st::run_tma_encode(data.data(), rows, cols, ld, 72) != 0, "a 128-byte swizzle over box rows of 144 bytes is refused");
+  CHECK(st::run_tma_encode(data.data() + 1, rows, cols, ld, 64) != 0, "a tensor map of a base not 16-byte aligned is refused");
+  std::vector<uint16_t> box(512, 0);
+  CHECK(st::run_tma_box(data.data(), rows, cols, ld, box.data(), true) == 0, "a TMA copy waited for runs");
+  int wrong = 0;
+  for (int i = 0; i < 512; ++i) {
+    const int o = 2 * i, u = o ^ ((o >> 7) & 7) << 4, e = u / 2, r = 1 + e / 64, c = 8 + e % 64;
+    const uint16_t want = r < rows && c < cols ? static_cast<uint16_t>(1 + 100 * r + c) : 0;
+    wrong += box[static_cast<size_t>(i)] != want ? 1 : 0;
+  }
+  CHECK(wrong == 0, "the TMA box lands swizzled, zero outside the matrix: %d of 512 values differ", wrong);
+#if !defined(__SANITIZE_THREAD__)  // there the read before the copy lands is a reported race
+  CHECK(st::run_tma_box(data.data(), rows, cols, ld, box.data(), false) == 0, "a TMA copy not waited for runs");
+  int garbage = 0;
+  for (uint16_t v : box) garbage += v == 0xffff ? 1 : 0;
+  CHECK(garbage == 512, "reads that no mbarrier wait orders after the copy see garbage: %d of 512 did", garbage);
+#endif
+  CHECK(st::run_mbar_never(ints.data()) == mpf_sim::kErrorLaunchFailure,
+        "threads waiting on an mbarrier phase that cannot complete: a deadlock, reported as a failed launch");
 }
 
 // core/numeric.h's narrowings on the device (the hardware conversions on sm_80+: cvt.rn.bf16.f32 and
