@@ -74,9 +74,14 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
                : "memory");
   return done != 0;
 }
+// Waits for that phase. A wait in the GEMM's pipeline lasts microseconds; one past 2^32 clock cycles (about two
+// seconds) means a phase that will never complete, and the kernel traps: the launch fails instead of hanging.
+constexpr long long kMbarWaitLimitCycles = 1ll << 32;
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity))
+    if (clock64() - start > kMbarWaitLimitCycles) __trap();
 }
 
 // A TMA copy of one box of a 3-D tensor map (innermost coordinate first) into shared memory at dst, in the

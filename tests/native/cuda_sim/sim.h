@@ -252,6 +252,11 @@ inline void __threadfence() { asm volatile("" ::: "memory"); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 [[noreturn]] inline void __trap() { mpf_sim::trap("__trap() in a kernel"); }
+// A clock that advances by one a read (the kernels use it only to bound waits).
+inline long long clock64() {
+  static thread_local long long ticks = 0;
+  return ++ticks;
+}
 inline size_t __cvta_generic_to_shared(const void* p) { return mpf_sim::shared_address(p); }
 
 template <class T>
