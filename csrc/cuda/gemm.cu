@@ -21,10 +21,12 @@
 // refuses BF16 on such a GPU before launching.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime: no -lcuda)
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <mma.h>
+#if defined(MPFUSED_HAVE_SM90A)
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime: no -lcuda)
+#include <cudaTypedefs.h>
+#endif
 
 #include <cstdlib>
 #include <stdexcept>
@@ -375,6 +377,7 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
   cuda_check(cudaGetLastError(), "gemm kernel launch");
 }
 
+#if defined(MPFUSED_HAVE_SM90A)  // a build with sm_90a code (CUDA 12+: TMA, tensor maps, setmaxnreg)
 // ---- Hopper: TMA copies and warpgroup MMAs (sm_90a) ----------------------------------------------------
 // A block computes a 128 x 256 tile of the output with three warpgroups, specialised:
 //   - the producer (warpgroup 0; one thread issues): per K step of 64, two or more TMA copies (wgmma.cuh's
@@ -416,7 +419,11 @@ static_assert(size_t{kSm90BlockM} * kSm90EpiLd * sizeof(float) <= size_t{kSm90St
               "the staged outputs fit in the pipeline's shared memory");
 static_assert(kSm90SmemBytes <= 227 * 1024, "sm_90's 227 KB of shared memory per block");
 static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per row of a K-major tile");
-static_assert(128 * kSm90ProducerRegs + 128 * kSm90Consumers * kSm90ConsumerRegs <= 65536, "the SM's registers");
+// setmaxnreg moves registers within the block's own allocation (65536 / kSm90Threads a thread at launch, rounded
+// down to a multiple of 8): asking for more leaves the consumers' increase waiting forever.
+static_assert(128 * kSm90ProducerRegs + 128 * kSm90Consumers * kSm90ConsumerRegs <=
+                  kSm90Threads * ((65536 / kSm90Threads) & ~7),
+              "setmaxnreg's counts fit the block's registers at launch");
 
 // The Hopper kernel's arguments: the WMMA kernel's, and a TMA tensor map per operand (3-D: the contiguous
 // dimension, the other one, batches). *_batched: 0 where one matrix serves every batch (the map's third
@@ -594,10 +601,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 #else
     const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
 #endif
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();  // not sticky: clear it
-      f = nullptr;
-    }
+    if (e != cudaSuccess) (void)cudaGetLastError();  // this call's error, not sticky: clear it
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) f = nullptr;
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
   }();
   return fn;
@@ -663,6 +668,13 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, const GemmPlan& plan, cudaS
   else launch_sm90<T, true, true>(p, blocks, plan.grid_y, stream);
   return true;
 }
+#else
+// No sm_90a code in this build: aligned operands take the WMMA kernel.
+template <typename T>
+bool dispatch_layout_sm90(const KernelParams&, const GemmPlan&, cudaStream_t) {
+  return false;
+}
+#endif  // MPFUSED_HAVE_SM90A
 
 template <typename T>
 void dispatch_layout(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
