@@ -379,29 +379,30 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
 
 #if defined(MPFUSED_HAVE_SM90A)  // a build with sm_90a code (CUDA 12+: TMA, tensor maps, setmaxnreg)
 // ---- Hopper: TMA copies and warpgroup MMAs (sm_90a) ----------------------------------------------------
-// A block computes a 128 x 256 tile of the output with three warpgroups, specialised:
+// A block computes 128 x 256 tiles of the output with three warpgroups, specialised, and stays on its SM for
+// as many tiles as it is given (a persistent grid: one block per SM; block b takes work items b, b + grid,
+// b + 2 grid, ... of the batches' tiles, batch-major, the tiles of a batch in gemm_tile_of_block's order):
 //   - the producer (warpgroup 0; one thread issues): per K step of 64, two or more TMA copies (wgmma.cuh's
 //     tma_load_3d) of A's and B's tiles into a ring of kSm90Stages stages, in the 128-byte swizzle that the
 //     MMAs' descriptors name. The tensor maps (built on the host, kernel parameters) give the operands' extents,
 //     so the MN edges and the K tail land as zeros without a test in the kernel;
 //   - two consumers (warpgroups 1, 2), each 64 x 256 of the tile with one wgmma.mma_async m64n256k16 per 16 of
 //     K (128 FP32 accumulators per thread), both operands read from shared memory through descriptors.
-// Two mbarriers per stage hand it over, with no block-wide barrier in the loop:
+// Two mbarriers per stage hand it over, with no block-wide barrier after the mbarriers' initialisation:
 //   full[s]: the producer's arrive.expect_tx (48 KB) and the copies' bytes complete it; consumers wait on it;
 //   empty[s]: each consumer warp arrives once its MMAs of the stage are retired (wgmma.wait_group); the
 //   producer waits on it before copying into the stage again.
-// Stage s of step it waits on phase parity (it / kSm90Stages) & 1 of full[s]; the producer on the opposite
-// parity of empty[s], which passes at once in the first round (the phase before the first is complete). A
-// consumer keeps one group of MMAs in flight: at step it it issues stage it's four MMAs, then waits for those
-// of step it - 1 and releases that stage. The producer runs up to kSm90Stages steps ahead of the MMAs.
+// Stage s of step it (steps counted over all of the block's tiles) waits on phase parity (it / kSm90Stages) & 1 of
+// full[s]; the producer on the opposite parity of empty[s], which passes at once in the first round (the phase
+// before the first is complete). A consumer keeps one group of MMAs in flight: at step it it issues stage it's
+// four MMAs, then waits for those of step it - 1 and releases that stage. The producer runs up to kSm90Stages
+// steps ahead of the MMAs, into the next tile too: while the consumers apply the epilogue of one tile, the first
+// stages of the next are already being copied.
 // Registers: the producer hands most of its own back (setmaxnreg.dec) and the consumers take them (inc).
-// The epilogue stages the accumulators through the pipeline's shared memory (after every MMA is done), then
-// each consumer thread applies core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA
-// kernel does, and stores them with 128-bit stores where it can. Three block-wide barriers a batch order the
-// epilogue against the pipeline: MMAs done before the staging, staging before reading, reading before the
-// next batch's copies (generic-proxy accesses, then fence.proxy.async, before the async proxy's writes).
-// Compiled for sm_90a only (the arch-specific wgmma and setmaxnreg): every other target's image of the kernel is
-// a trap that the launcher never reaches (gemm_sm90_selected).
+// The epilogue needs none of the pipeline's shared memory: each consumer warp moves its accumulators, 32 columns
+// of its 16 rows at a time, through a 2 KB slice of its own (__syncwarp on either side), then each lane applies
+// core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA kernel does, and stores them
+// with 128-bit stores where it can.
 constexpr int kSm90BlockM = 128, kSm90BlockN = 256, kSm90BlockK = 64;
 constexpr int kSm90Stages = 4;
 constexpr int kSm90Consumers = 2;                                       // warpgroups of MMAs, 64 rows each
@@ -411,12 +412,13 @@ constexpr int kSm90PanelBytes = kSm90BlockK * sm90::kLineBytes;         // an MN
 constexpr int kSm90ATileBytes = kSm90BlockM * kSm90BlockK * 2;          // 16 KB
 constexpr int kSm90BTileBytes = kSm90BlockN * kSm90BlockK * 2;          // 32 KB
 constexpr int kSm90StageBytes = kSm90ATileBytes + kSm90BTileBytes;
-constexpr int kSm90EpiLd = kSm90BlockN + 8;                             // floats per staged output row
+constexpr int kSm90EpiCols = 32;                                        // columns a consumer warp stages at once
+constexpr int kSm90EpiLd = kSm90EpiCols + 4;                            // floats per staged row (no bank conflicts)
+constexpr int kSm90EpiBytes = 16 * kSm90EpiLd * 4;                      // a consumer warp's slice: 16 rows
 constexpr int kSm90BarrierBytes = 2 * kSm90Stages * 8;                  // full[], then empty[]
-constexpr size_t kSm90SmemBytes =
-    size_t{kSm90Stages} * kSm90StageBytes + kSm90BarrierBytes + sm90::kAtomBytes;  // + alignment slack
-static_assert(size_t{kSm90BlockM} * kSm90EpiLd * sizeof(float) <= size_t{kSm90Stages} * kSm90StageBytes,
-              "the staged outputs fit in the pipeline's shared memory");
+// The ring, the consumer warps' epilogue slices, the mbarriers, and slack to align the ring on 1024 bytes.
+constexpr size_t kSm90SmemBytes = size_t{kSm90Stages} * kSm90StageBytes + size_t{kSm90Consumers} * 4 * kSm90EpiBytes +
+                                  kSm90BarrierBytes + sm90::kAtomBytes;
 static_assert(kSm90SmemBytes <= 227 * 1024, "sm_90's 227 KB of shared memory per block");
 static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per row of a K-major tile");
 // setmaxnreg moves registers within the block's own allocation (65536 / kSm90Threads a thread at launch, rounded
@@ -442,7 +444,8 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   const uint32_t pad = (sm90::kAtomBytes - raw_addr % sm90::kAtomBytes) % sm90::kAtomBytes;
   unsigned char* smem = smem_raw + pad;
   const uint32_t smem0 = raw_addr + pad;
-  const uint32_t full0 = smem0 + static_cast<uint32_t>(kSm90Stages * kSm90StageBytes);  // full[s]: full0 + 8 s
+  constexpr uint32_t kEpiOffset = kSm90Stages * kSm90StageBytes;  // the consumer warps' slices, after the ring
+  const uint32_t full0 = smem0 + kEpiOffset + kSm90Consumers * 4 * kSm90EpiBytes;  // full[s]: full0 + 8 s
   const uint32_t empty0 = full0 + 8 * kSm90Stages;
   const KernelParams& kp = p.kp;
   const GemmArgs& g = kp.g;
@@ -461,46 +464,52 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   __syncthreads();
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  int64_t tile_m, tile_n;
-  gemm_tile_of_block(blockIdx.x, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
-  const int m0 = static_cast<int>(tile_m * kSm90BlockM), n0 = static_cast<int>(tile_n * kSm90BlockN);
   const int k_tiles = static_cast<int>((g.k + kSm90BlockK - 1) / kSm90BlockK);
+  const int64_t tiles = kp.tiles_m * kp.tiles_n;
+  const int64_t work = tiles * g.batch;  // work items: (batch, tile), batch-major
+  // Work item w -> its batch and the origin of its tile.
+  auto locate = [&](int64_t w, int64_t* batch, int* m0, int* n0) {
+    *batch = w / tiles;
+    int64_t tile_m, tile_n;
+    gemm_tile_of_block(w - *batch * tiles, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
+    *m0 = static_cast<int>(tile_m * kSm90BlockM);
+    *n0 = static_cast<int>(tile_n * kSm90BlockN);
+  };
 
   if (wg == 0) {
     // ---- producer ----
-    sm90::setmaxnreg_dec<kSm90ProducerRegs>();
-    uint32_t it = 0;  // steps issued over all of this block's batches (thread 0's count)
-    for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
-      if (threadIdx.x == 0) {
-        const int ba = p.a_batched ? static_cast<int>(batch) : 0, bb = p.b_batched ? static_cast<int>(batch) : 0;
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-          const uint32_t s = it % kSm90Stages, parity = (it / kSm90Stages) & 1u;
-          const uint32_t full = full0 + 8 * s;
-          sm90::mbar_wait(empty0 + 8 * s, parity ^ 1u);  // both consumers are done with the stage's last round
-          sm90::mbar_arrive_expect_tx(full, kSm90StageBytes);
-          const uint32_t sa = smem0 + s * kSm90StageBytes, sb = sa + kSm90ATileBytes;
-          const int k0 = kt * kSm90BlockK;
-          // A is (m, k): row-major is K-major (a box of 64 K x 128 rows), column-major two 64-wide M panels.
-          if constexpr (kACol) {
+    sm90::setmaxnreg_dec<kSm90ProducerRegs>();  // warpgroup-wide: before the other 127 threads leave
+    if (threadIdx.x != 0) return;               // no block-wide barrier follows: they have nothing to do
+    uint32_t it = 0;                            // steps issued over all of this block's tiles
+    for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      int64_t batch;
+      int m0, n0;
+      locate(w, &batch, &m0, &n0);
+      const int ba = p.a_batched ? static_cast<int>(batch) : 0, bb = p.b_batched ? static_cast<int>(batch) : 0;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const uint32_t s = it % kSm90Stages, parity = (it / kSm90Stages) & 1u;
+        const uint32_t full = full0 + 8 * s;
+        sm90::mbar_wait(empty0 + 8 * s, parity ^ 1u);  // both consumers are done with the stage's last round
+        sm90::mbar_arrive_expect_tx(full, kSm90StageBytes);
+        const uint32_t sa = smem0 + s * kSm90StageBytes, sb = sa + kSm90ATileBytes;
+        const int k0 = kt * kSm90BlockK;
+        // A is (m, k): row-major is K-major (a box of 64 K x 128 rows), column-major two 64-wide M panels.
+        if constexpr (kACol) {
 #pragma unroll
-            for (int panel = 0; panel < kSm90BlockM / 64; ++panel)
-              sm90::tma_load_3d(sa + panel * kSm90PanelBytes, &p.a, m0 + 64 * panel, k0, ba, full);
-          } else {
-            sm90::tma_load_3d(sa, &p.a, k0, m0, ba, full);
-          }
-          // B is (k, n): column-major is K-major (64 K x 256 rows), row-major four 64-wide N panels.
-          if constexpr (kBCol) {
-            sm90::tma_load_3d(sb, &p.b, k0, n0, bb, full);
-          } else {
+          for (int panel = 0; panel < kSm90BlockM / 64; ++panel)
+            sm90::tma_load_3d(sa + panel * kSm90PanelBytes, &p.a, m0 + 64 * panel, k0, ba, full);
+        } else {
+          sm90::tma_load_3d(sa, &p.a, k0, m0, ba, full);
+        }
+        // B is (k, n): column-major is K-major (64 K x 256 rows), row-major four 64-wide N panels.
+        if constexpr (kBCol) {
+          sm90::tma_load_3d(sb, &p.b, k0, n0, bb, full);
+        } else {
 #pragma unroll
-            for (int panel = 0; panel < kSm90BlockN / 64; ++panel)
-              sm90::tma_load_3d(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full);
-          }
+          for (int panel = 0; panel < kSm90BlockN / 64; ++panel)
+            sm90::tma_load_3d(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full);
         }
       }
-      __syncthreads();  // every MMA of the batch is done (so every copy has landed)
-      __syncthreads();  // the consumers staged their accumulators
-      __syncthreads();  // ... and read them: the stages are the next batch's copies' again
     }
     return;
   }
@@ -508,8 +517,10 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   // ---- consumers ----
   sm90::setmaxnreg_inc<kSm90ConsumerRegs>();
   const int cw = wg - 1;  // this consumer's 64 rows of the tile
-  const int t = static_cast<int>(threadIdx.x) % 128, lane = t % 32;
+  const int t = static_cast<int>(threadIdx.x) % 128, lane = t % 32, w16 = t / 32;
   const EpilogueScalars es = epilogue_scalars(g);
+  // This warp's epilogue slice: 16 rows of kSm90EpiCols floats.
+  float* slice = reinterpret_cast<float*>(smem + kEpiOffset + (cw * 4 + w16) * kSm90EpiBytes);
   // After wgmma.wait_group has retired a stage's MMAs in this warp, the warp gives the stage back: one arrival
   // a warp. (__syncwarp first: every lane has passed its wait before lane 0 speaks for the warp.)
   auto release = [&](uint32_t step) {
@@ -517,7 +528,10 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
     if (lane == 0) sm90::mbar_arrive(empty0 + 8 * (step % kSm90Stages));
   };
   uint32_t it = 0;
-  for (int64_t batch = blockIdx.y; batch < g.batch; batch += gridDim.y) {
+  for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    int64_t batch;
+    int m0, n0;
+    locate(w, &batch, &m0, &n0);
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -550,33 +564,34 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
     sm90::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
-    if (k_tiles > 0) release(it - 1);
-    __syncthreads();  // every MMA is done: the pipeline's shared memory becomes the epilogue's
+    release(it - 1);  // k_tiles >= 1 (the launcher takes K = 0 elsewhere): the producer goes on to the next tile
 
-    // ---- epilogue: the accumulators through shared memory, then 8 outputs of a row per step ----
-    float* staged = reinterpret_cast<float*>(smem);
-    {
-      const int w = t / 32;
-      const int row = cw * 64 + w * 16 + lane / 4;
-#pragma unroll
-      for (int i = 0; i < 128; i += 2) {
-        const int r = row + 8 * ((i / 2) % 2), c = 8 * (i / 4) + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(staged + r * kSm90EpiLd + c) = make_float2(acc[i], acc[i + 1]);
-      }
-    }
-    __syncthreads();
+    // ---- epilogue: through this warp's slice, 32 columns at a time, then 8 outputs of a row per step ----
+    // The accumulators: acc[4 j + h] (h < 2) is row lane / 4, acc[4 j + 2 + h] row lane / 4 + 8, both of column
+    // 8 j + 2 (lane % 4) + h of the warp's 16 rows (j < 32).
     const int64_t out_base = batch * g.m * g.n;
-    constexpr int kSegments = kSm90BlockM * kSm90BlockN / 8;
-    constexpr int kConsumerThreads = 128 * kSm90Consumers;
+    const int64_t row0 = m0 + cw * 64 + w16 * 16;  // the warp's first row
+#pragma unroll 1  // the epilogue's code is emitted once, not once per group of columns
+    for (int cc = 0; cc < kSm90BlockN / kSm90EpiCols; ++cc) {
+#pragma unroll  // constant indices keep acc in registers; the predicate selects group cc
+      for (int c2 = 0; c2 < kSm90BlockN / kSm90EpiCols; ++c2)
+        if (c2 == cc)
+#pragma unroll
+          for (int jj = 0; jj < kSm90EpiCols / 8; ++jj) {
+            const int i = 4 * (c2 * (kSm90EpiCols / 8) + jj), c = 8 * jj + 2 * (lane % 4), r = lane / 4;
+            *reinterpret_cast<float2*>(slice + r * kSm90EpiLd + c) = make_float2(acc[i], acc[i + 1]);
+            *reinterpret_cast<float2*>(slice + (r + 8) * kSm90EpiLd + c) = make_float2(acc[i + 2], acc[i + 3]);
+          }
+      __syncwarp();
 #pragma unroll 1
-    for (int s = static_cast<int>(threadIdx.x) - 128; s < kSegments; s += kConsumerThreads) {
-      const int r = s / (kSm90BlockN / 8), c = s % (kSm90BlockN / 8) * 8;
-      const int64_t row = m0 + r, col8 = n0 + c;
-      if (row >= g.m || col8 >= g.n) continue;
-      epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, staged + r * kSm90EpiLd + c, kp.out_vector);
+      for (int h = 0; h < 2; ++h) {  // lane's segments: rows lane / 4 and lane / 4 + 8, 8 columns at 8 (lane % 4)
+        const int r = lane / 4 + 8 * h, c = 8 * (lane % 4);
+        const int64_t row = row0 + r, col8 = n0 + cc * kSm90EpiCols + c;
+        if (row < g.m && col8 < g.n)
+          epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, slice + r * kSm90EpiLd + c, kp.out_vector);
+      }
+      __syncwarp();  // the slice is rewritten by the next group of columns
     }
-    sm90::fence_proxy_async();  // these generic-proxy accesses come before the next batch's TMA writes
-    __syncthreads();            // the next batch's copies overwrite the staged outputs
   }
 }
 
@@ -633,19 +648,18 @@ bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int6
 }
 
 template <typename T, bool kACol, bool kBCol>
-void launch_sm90(const Sm90Params& p, int64_t blocks, int64_t grid_y, cudaStream_t stream) {
+void launch_sm90(const Sm90Params& p, int64_t blocks, cudaStream_t stream) {
   auto kernel = gemm_sm90_kernel<T, kACol, kBCol>;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
              "gemm: setting the shared-memory size");
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(grid_y));
-  kernel<<<grid, kSm90Threads, kSm90SmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), kSm90Threads, kSm90SmemBytes, stream>>>(p);
   cuda_check(cudaGetLastError(), "gemm kernel launch");
 }
 
 // Launches the Hopper kernel; false (nothing launched) where it cannot take these operands: K = 0 (no copies
 // to make), coordinates past int32, or a tensor map the driver refuses.
 template <typename T>
-bool dispatch_layout_sm90(const KernelParams& kp_in, const GemmPlan& plan, cudaStream_t stream) {
+bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t stream) {
   const GemmArgs& g = kp_in.g;
   constexpr int64_t kMaxCoord = 0x7fffffff - 256;  // TMA coordinates are int32; a box may start past the extent
   if (g.k <= 0 || g.m > kMaxCoord || g.n > kMaxCoord || g.k > kMaxCoord || g.batch > kMaxCoord) return false;
@@ -659,19 +673,24 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, const GemmPlan& plan, cudaS
   p.b_batched = b_batched ? 1 : 0;
   p.kp.tiles_m = (g.m + kSm90BlockM - 1) / kSm90BlockM;
   p.kp.tiles_n = (g.n + kSm90BlockN - 1) / kSm90BlockN;
-  const int64_t blocks = p.kp.tiles_m * p.kp.tiles_n;
-  if (blocks > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
+  const int64_t tiles = p.kp.tiles_m * p.kp.tiles_n;
+  if (tiles > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
+  // A persistent grid: one block per SM (the kernel's shared memory allows no second), fewer where there is less work.
+  int sms = 0;
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemm: device query");
+  const int64_t work = tiles * g.batch;  // <= 2^31 * 2^31: no overflow
+  const int64_t blocks = work < sms ? work : sms;
   const bool ac = g.a.col_major, bc = g.b.col_major;
-  if (!ac && !bc) launch_sm90<T, false, false>(p, blocks, plan.grid_y, stream);
-  else if (!ac && bc) launch_sm90<T, false, true>(p, blocks, plan.grid_y, stream);
-  else if (ac && !bc) launch_sm90<T, true, false>(p, blocks, plan.grid_y, stream);
-  else launch_sm90<T, true, true>(p, blocks, plan.grid_y, stream);
+  if (!ac && !bc) launch_sm90<T, false, false>(p, blocks, stream);
+  else if (!ac && bc) launch_sm90<T, false, true>(p, blocks, stream);
+  else if (ac && !bc) launch_sm90<T, true, false>(p, blocks, stream);
+  else launch_sm90<T, true, true>(p, blocks, stream);
   return true;
 }
 #else
 // No sm_90a code in this build: aligned operands take the WMMA kernel.
 template <typename T>
-bool dispatch_layout_sm90(const KernelParams&, const GemmPlan&, cudaStream_t) {
+bool dispatch_layout_sm90(const KernelParams&, int, cudaStream_t) {
   return false;
 }
 #endif  // MPFUSED_HAVE_SM90A
@@ -757,7 +776,7 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   const bool bf16 = args.a.dtype == DType::kBFloat16;
   if (gemm_sm90_selected(plan.vector_path, device)) {
     // Where it cannot take the operands (K = 0, a tensor map the driver refuses), the WMMA kernel runs.
-    if (bf16 ? dispatch_layout_sm90<__nv_bfloat16>(kp, plan, stream) : dispatch_layout_sm90<__half>(kp, plan, stream))
+    if (bf16 ? dispatch_layout_sm90<__nv_bfloat16>(kp, device, stream) : dispatch_layout_sm90<__half>(kp, device, stream))
       return;
   }
   if (bf16) dispatch_layout<__nv_bfloat16>(kp, plan, stream);

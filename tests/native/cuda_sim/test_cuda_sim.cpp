@@ -940,18 +940,26 @@ void test_gemm_wgmma(std::mt19937& rng) {
           "%lldx%lldx%lld a_col %d b_col %d: the Hopper kernel ran (%zu bytes of shared memory)", static_cast<long long>(gc.m),
           static_cast<long long>(gc.n), static_cast<long long>(gc.k), gc.a_col, gc.b_col, mpf_sim::stats().last_dynamic_smem);
   }
-  // Blocks that loop over batches (a device whose grid.y limit is below the batch count): the pipeline's
-  // mbarrier phases run on from one batch to the next (5 K steps a batch, over 4 stages), and the epilogue's
-  // staging shares the stages with the next batch's copies.
-  cfg.max_grid_y = 2;
-  for (const GemmCase& gc : {GemmCase{5, 136, 264, 300, false, false, -1, DType::kFloat16, DType::kFloat16, true, true, false,
-                                      Activation::kRelu, false},
-                             GemmCase{5, 37, 29, 72, true, true, -1, DType::kBFloat16, DType::kFloat32, false, true, true,
-                                      Activation::kGelu, true}}) {
-    gemm_case(gc, rng);
-    CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024, "batches over grid.y: the Hopper kernel ran");
+  // The persistent grid: one block per SM, each looping over work items (batch, tile). The simulated device has 2
+  // SMs, so every case above looped; here 3 SMs over 5 batches of 2 x 2 tiles (20 items: 7, 7 and 6 a block), the
+  // mbarrier phases running on from one tile to the next (5 K steps a tile, over 4 stages) while the epilogue
+  // of one tile overlaps the next tile's copies; then more SMs than work items (a block each).
+  const int sms = cfg.sms;
+  for (const int n_sms : {3, 64}) {
+    cfg.sms = n_sms;
+    for (const GemmCase& gc : {GemmCase{5, 136, 264, 300, false, false, -1, DType::kFloat16, DType::kFloat16, true, true, false,
+                                        Activation::kRelu, false},
+                               GemmCase{5, 37, 29, 72, true, true, -1, DType::kBFloat16, DType::kFloat32, false, true, true,
+                                        Activation::kGelu, true}}) {
+      const long blocks = mpf_sim::stats().blocks;
+      gemm_case(gc, rng);
+      CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024, "a persistent grid: the Hopper kernel ran");
+      const long work = gc.batch * ((gc.m + 127) / 128) * ((gc.n + 255) / 256);
+      CHECK(mpf_sim::stats().blocks - blocks == std::min<long>(work, n_sms), "%ld work items on %d SMs: %ld blocks", work, n_sms,
+            mpf_sim::stats().blocks - blocks);
+    }
   }
-  cfg.max_grid_y = 65535;
+  cfg.sms = sms;
   // A tensor map the driver refuses: the WMMA kernel runs instead, with the same results.
   cfg.refuse_tensor_maps = true;
   gemm_case({2, 136, 264, 72, false, true, 0, DType::kBFloat16, DType::kFloat32, true, true, false, Activation::kGelu, false}, rng);
