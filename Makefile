@@ -21,7 +21,7 @@ NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
 .PHONY: venv build test test-python test-native test-cuda-sim test-integrations isa-check demo bench cuda-compile sass-check cuda-install-check cuda-check \
-        gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench gpu-check-profile \
+        gpu-check gpu-check-deps gpu-check-build gpu-check-tests gpu-check-report gpu-check-bench gpu-check-bench-cpu gpu-check-profile \
         gpu-check-sanitize-memcheck gpu-check-sanitize-racecheck gpu-check-sanitize-synccheck gpu-check-sanitize-initcheck \
         gpu-prebuild gpu-window clean
 
@@ -136,7 +136,7 @@ SANITIZERS := memcheck racecheck synccheck initcheck
 gpu-check:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh all
 
-gpu-check-deps gpu-check-build gpu-check-report:
+gpu-check-deps gpu-check-build gpu-check-report gpu-check-bench-cpu:
 	PYTHON=$(PYTHON) bash .ci/gpu_check.sh $(patsubst gpu-check-%,%,$@)
 
 gpu-check-tests:

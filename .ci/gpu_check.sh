@@ -18,6 +18,8 @@
 #   bash .ci/gpu_check.sh bench [NAME...]
 #                                     the benchmarks (or benchmarks/NAME.py) on CUDA, short repetition mode,
 #                                     JSON under benchmarks/results/ named after the GPU
+#   bash .ci/gpu_check.sh bench-cpu   issue 13's CPU benchmarks (stochastic rounding) on this machine's cores,
+#                                     JSON under benchmarks/results/<name>_cpu_<isa>_<N>cpus.json
 #   bash .ci/gpu_check.sh profile [WORKLOAD...]
 #                                     Nsight Compute (ncu) over the kernels behind the missed goals
 #                                     (benchmarks/profile_kernels.py): one table of DRAM and SM throughput,
@@ -340,6 +342,33 @@ stage_bench() {
   return "$failed"
 }
 
+# Issue 13's CPU goals on the GPU machine's own cores (16 on the machines lent so far): on the 2-core VMs the
+# optimizer step and the rounding are bound by the cores' arithmetic, so the stochastic / nearest ratio there
+# is the generator's cost; with more cores than the memory needs, the step is bound by memory, as on a GPU.
+# The stochastic-rounding sections of bench_optim, bench_random and bench_fixed_point with --device cpu, JSON
+# named after the CPU path and the core count (benchmarks/results/<name>_cpu_<isa>_<N>cpus.json).
+stage_bench_cpu() {
+  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  require_build || return 1
+  local isa n failed=0 done_list=() spec name
+  isa=$("$PY" -c "import mpfused; print(mpfused.build_info()['cpu_isa'])") || return 1
+  n=$(nproc)
+  for spec in "bench_optim --sections sr-fp16 sr-bf16" "bench_random" "bench_fixed_point"; do
+    name=${spec%% *}
+    echo "== benchmarks.$name on the CPU ($isa, $n cpus)"
+    # shellcheck disable=SC2086
+    if "$PY" -m "benchmarks.$name" --device cpu ${spec#"$name"} --max-seconds "${BENCH_MAX_SECONDS:-0.5}" \
+         --json "benchmarks/results/${name}_cpu_${isa}_${n}cpus.json"; then
+      done_list+=("$name")
+    else
+      echo "benchmarks.$name FAILED"
+      failed=1
+    fi
+  done
+  echo "DETAIL ran on $n cpus ($isa): ${done_list[*]:-none}"
+  return "$failed"
+}
+
 # Nsight Compute over the workloads of benchmarks/profile_kernels.py (the kernels behind the missed goals),
 # one process each: the first launch of the workload's kernel, with the sections of profile_kernels.SECTIONS,
 # as CSV in $LOGS/profile-WORKLOAD.csv; then one table of them ($LOGS/profile.tsv, profile.json).
@@ -404,9 +433,10 @@ run_stage() {  # inside the timeout
     tests) stage_tests "$@" ;;
     sanitize) stage_sanitize "$@" ;;
     bench) stage_bench "$@" ;;
+    bench-cpu) stage_bench_cpu ;;
     profile) stage_profile "$@" ;;
     report) stage_report ;;
-    *) echo "unknown stage '$stage': deps, build, tests [FILE...], sanitize TOOL [FILE...], bench [NAME...], profile [WORKLOAD...], report, all"; return 2 ;;
+    *) echo "unknown stage '$stage': deps, build, tests [FILE...], sanitize TOOL [FILE...], bench [NAME...], bench-cpu, profile [WORKLOAD...], report, all"; return 2 ;;
   esac
 }
 
@@ -486,8 +516,8 @@ case "${1:-all}" in
     [ ${#plan[@]} -gt 0 ] || plan=(tests bench memcheck)
     for s in "${plan[@]}"; do
       case "$s" in
-        tests | bench | profile | memcheck | racecheck | synccheck | initcheck) ;;
-        *) echo "window: unknown stage '$s' (tests, bench, profile, memcheck, racecheck, synccheck, initcheck)"; exit 2 ;;
+        tests | bench | bench-cpu | profile | memcheck | racecheck | synccheck | initcheck) ;;
+        *) echo "window: unknown stage '$s' (tests, bench, bench-cpu, profile, memcheck, racecheck, synccheck, initcheck)"; exit 2 ;;
       esac
     done
     deadline=$((SECONDS + budget))
@@ -517,6 +547,7 @@ case "${1:-all}" in
           bench) BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-0.3} within "${WINDOW_BENCH_SECONDS:-150}" bench \
                    bench_optim bench_overflow bench_scaler bench_gemm bench_random bench_fixed_point || rc=1 ;;
           profile) within 0 profile || rc=1 ;;
+          bench-cpu) BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-0.3} within 0 bench-cpu || rc=1 ;;
           *) within 0 sanitize "$s" || rc=1 ;;
         esac
       done
@@ -526,7 +557,7 @@ case "${1:-all}" in
       mkdir -p "$GPU_WINDOW_OUT"
       cp "$LOGS/summary.tsv" "$GPU_WINDOW_OUT/summary.tsv" 2>/dev/null || true
       mkdir -p "$LOGS/bench-json"
-      cp benchmarks/results/*_cuda_*.json "$LOGS/bench-json/" 2>/dev/null || true
+      cp benchmarks/results/*_cuda_*.json benchmarks/results/*cpus.json "$LOGS/bench-json/" 2>/dev/null || true
       tar -czf "$GPU_WINDOW_OUT/gpu-window.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" || rc=1
       echo "gpu-check window: $GPU_WINDOW_OUT/summary.tsv and gpu-window.tar.gz ($(du -h "$GPU_WINDOW_OUT/gpu-window.tar.gz" | cut -f1))"
     fi

@@ -50,7 +50,7 @@ def test_stages_refuse_bad_arguments_and_a_missing_build(tmp_path):
     rc, out, line = stage(tmp_path, "nonsense")
     assert rc == 2 and "unknown stage 'nonsense'" in out
     if not torch.cuda.is_available():  # every stage checks the dependencies first
-        for name in ("build", "tests", "bench", "profile"):
+        for name in ("build", "tests", "bench", "bench-cpu", "profile"):
             rc, out, line = stage(tmp_path, name)
             assert rc != 0 and line.startswith(f"gpu-check {name}: FAIL") and "missing" in line, out
     # a stage run again replaces its line; the report lists every stage and fails while one has not passed
