@@ -413,8 +413,7 @@ constexpr int kSm90ATileBytes = kSm90BlockM * kSm90BlockK * 2;          // 16 KB
 constexpr int kSm90BTileBytes = kSm90BlockN * kSm90BlockK * 2;          // 32 KB
 constexpr int kSm90StageBytes = kSm90ATileBytes + kSm90BTileBytes;
 constexpr int kSm90EpiCols = 32;                                        // columns a consumer warp stages at once
-constexpr int kSm90EpiLd = kSm90EpiCols + 4;                            // floats per staged row (no bank conflicts)
-constexpr int kSm90EpiBytes = 16 * kSm90EpiLd * 4;                      // a consumer warp's slice: 16 rows
+constexpr int kSm90EpiBytes = 16 * kSm90EpiCols * 4;                    // a consumer warp's slice: 16 rows, 2 KB
 constexpr int kSm90BarrierBytes = 2 * kSm90Stages * 8;                  // full[], then empty[]
 // The ring, the consumer warps' epilogue slices, the mbarriers, and slack to align the ring on 1024 bytes.
 constexpr size_t kSm90SmemBytes = size_t{kSm90Stages} * kSm90StageBytes + size_t{kSm90Consumers} * 4 * kSm90EpiBytes +
@@ -423,9 +422,19 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "sm_90's 227 KB of shared memory per
 static_assert(kSm90BlockK * 2 == sm90::kLineBytes, "one 128-byte line of K per row of a K-major tile");
 // setmaxnreg moves registers within the block's own allocation (65536 / kSm90Threads a thread at launch, rounded
 // down to a multiple of 8): asking for more leaves the consumers' increase waiting forever.
-static_assert(128 * kSm90ProducerRegs + 128 * kSm90Consumers * kSm90ConsumerRegs <=
-                  kSm90Threads * ((65536 / kSm90Threads) & ~7),
+constexpr int kSm90RegsNeeded = 128 * kSm90ProducerRegs + 128 * kSm90Consumers * kSm90ConsumerRegs;
+static_assert(kSm90RegsNeeded <= kSm90Threads * ((65536 / kSm90Threads) & ~7),
               "setmaxnreg's counts fit the block's registers at launch");
+
+// The epilogue slice's layout: row r's 16-byte chunk c (columns 4c .. 4c + 3) at chunk c ^ slice_swizzle(r) of
+// the row's 128 bytes. The accumulators' 8-byte stores (rows lane / 4 of a half-warp's 4 rows, chunks 2 j and
+// 2 j + 1) and the 16-byte reads of 8 consecutive columns (two rows a quarter-warp) then each touch every
+// bank at most once: bits 1-2 differ between any 4 consecutive rows, bit 0 between neighbours.
+__device__ __forceinline__ int slice_swizzle(int r) { return ((r & 3) << 1) | (r & 1); }
+// Two floats as one 64-bit value, the first in the low half (its place in memory).
+__device__ __forceinline__ uint64_t pack_floats(float lo, float hi) {
+  return static_cast<uint64_t>(__float_as_uint(lo)) | (static_cast<uint64_t>(__float_as_uint(hi)) << 32);
+}
 
 // The Hopper kernel's arguments: the WMMA kernel's, and a TMA tensor map per operand (3-D: the contiguous
 // dimension, the other one, batches). *_batched: 0 where one matrix serves every batch (the map's third
@@ -452,6 +461,8 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr int kTransA = kACol ? 1 : 0;  // A column-major is M-major
   constexpr int kTransB = kBCol ? 0 : 1;  // B row-major is N-major
+  const int k_tiles = static_cast<int>((g.k + kSm90BlockK - 1) / kSm90BlockK);
+  if (k_tiles == 0) return;  // the launcher takes K = 0 to the WMMA kernel; the pipeline needs a step a tile
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -464,7 +475,6 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   __syncthreads();
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  const int k_tiles = static_cast<int>((g.k + kSm90BlockK - 1) / kSm90BlockK);
   const int64_t tiles = kp.tiles_m * kp.tiles_n;
   const int64_t work = tiles * g.batch;  // work items: (batch, tile), batch-major
   // Work item w -> its batch and the origin of its tile.
@@ -564,7 +574,7 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
     sm90::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) sm90::fence_operand(acc[i]);
-    release(it - 1);  // k_tiles >= 1 (the launcher takes K = 0 elsewhere): the producer goes on to the next tile
+    release(it - 1);  // (k_tiles >= 1) the producer goes on to the next tile
 
     // ---- epilogue: through this warp's slice, 32 columns at a time, then 8 outputs of a row per step ----
     // The accumulators: acc[4 j + h] (h < 2) is row lane / 4, acc[4 j + 2 + h] row lane / 4 + 8, both of column
@@ -578,17 +588,26 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
         if (c2 == cc)
 #pragma unroll
           for (int jj = 0; jj < kSm90EpiCols / 8; ++jj) {
-            const int i = 4 * (c2 * (kSm90EpiCols / 8) + jj), c = 8 * jj + 2 * (lane % 4), r = lane / 4;
-            *reinterpret_cast<float2*>(slice + r * kSm90EpiLd + c) = make_float2(acc[i], acc[i + 1]);
-            *reinterpret_cast<float2*>(slice + (r + 8) * kSm90EpiLd + c) = make_float2(acc[i + 2], acc[i + 3]);
+            // columns 8 jj + 2 (lane % 4) and the next: chunk 2 jj + (lane % 4) / 2, at float 2 (lane % 2) in it
+            const int i = 4 * (c2 * (kSm90EpiCols / 8) + jj), chunk = 2 * jj + (lane % 4) / 2, r = lane / 4;
+            // (one 64-bit value: stored as a float2, half of these became two 32-bit stores)
+            *reinterpret_cast<uint64_t*>(slice + r * kSm90EpiCols + 4 * (chunk ^ slice_swizzle(r)) + 2 * (lane % 2)) =
+                pack_floats(acc[i], acc[i + 1]);
+            *reinterpret_cast<uint64_t*>(slice + (r + 8) * kSm90EpiCols + 4 * (chunk ^ slice_swizzle(r + 8)) + 2 * (lane % 2)) =
+                pack_floats(acc[i + 2], acc[i + 3]);
           }
       __syncwarp();
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {  // lane's segments: rows lane / 4 and lane / 4 + 8, 8 columns at 8 (lane % 4)
         const int r = lane / 4 + 8 * h, c = 8 * (lane % 4);
         const int64_t row = row0 + r, col8 = n0 + cc * kSm90EpiCols + c;
-        if (row < g.m && col8 < g.n)
-          epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, slice + r * kSm90EpiLd + c, kp.out_vector);
+        if (row < g.m && col8 < g.n) {
+          const float* line = slice + r * kSm90EpiCols;
+          const float4 lo = *reinterpret_cast<const float4*>(line + 4 * ((c / 4) ^ slice_swizzle(r)));
+          const float4 hi = *reinterpret_cast<const float4*>(line + 4 * ((c / 4 + 1) ^ slice_swizzle(r)));
+          const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          epilogue_row8(g, es, batch, row, col8, out_base + row * g.n + col8, v, kp.out_vector);
+        }
       }
       __syncwarp();  // the slice is rewritten by the next group of columns
     }
@@ -647,17 +666,24 @@ bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int6
   return r == CUDA_SUCCESS;
 }
 
+// Launches the kernel; false (nothing launched) where the registers ptxas gave it cannot cover setmaxnreg's counts
+// (the consumers' increase would then wait forever): the static_assert above assumes 65536 / 384 a thread, which
+// a flag such as -maxrregcount or another ptxas could lower.
 template <typename T, bool kACol, bool kBCol>
-void launch_sm90(const Sm90Params& p, int64_t blocks, cudaStream_t stream) {
+bool launch_sm90(const Sm90Params& p, int64_t blocks, cudaStream_t stream) {
   auto kernel = gemm_sm90_kernel<T, kACol, kBCol>;
+  cudaFuncAttributes attr{};  // (a host-side query of the loaded module, as cheap as the attribute set below)
+  cuda_check(cudaFuncGetAttributes(&attr, kernel), "gemm: kernel query");
+  if (attr.numRegs * kSm90Threads < kSm90RegsNeeded) return false;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
              "gemm: setting the shared-memory size");
   kernel<<<static_cast<unsigned>(blocks), kSm90Threads, kSm90SmemBytes, stream>>>(p);
   cuda_check(cudaGetLastError(), "gemm kernel launch");
+  return true;
 }
 
 // Launches the Hopper kernel; false (nothing launched) where it cannot take these operands: K = 0 (no copies
-// to make), coordinates past int32, or a tensor map the driver refuses.
+// to make), coordinates past int32, a tensor map the driver refuses, or registers short of setmaxnreg's counts.
 template <typename T>
 bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t stream) {
   const GemmArgs& g = kp_in.g;
@@ -681,11 +707,10 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t st
   const int64_t work = tiles * g.batch;  // <= 2^31 * 2^31: no overflow
   const int64_t blocks = work < sms ? work : sms;
   const bool ac = g.a.col_major, bc = g.b.col_major;
-  if (!ac && !bc) launch_sm90<T, false, false>(p, blocks, stream);
-  else if (!ac && bc) launch_sm90<T, false, true>(p, blocks, stream);
-  else if (ac && !bc) launch_sm90<T, true, false>(p, blocks, stream);
-  else launch_sm90<T, true, true>(p, blocks, stream);
-  return true;
+  if (!ac && !bc) return launch_sm90<T, false, false>(p, blocks, stream);
+  if (!ac && bc) return launch_sm90<T, false, true>(p, blocks, stream);
+  if (ac && !bc) return launch_sm90<T, true, false>(p, blocks, stream);
+  return launch_sm90<T, true, true>(p, blocks, stream);
 }
 #else
 // No sm_90a code in this build: aligned operands take the WMMA kernel.

@@ -472,6 +472,6 @@ cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, i
 }
 template <class... P>
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, void (*)(P...)) {
-  *attr = cudaFuncAttributes{0, 1024, 0, __CUDA_ARCH__ / 10, __CUDA_ARCH__ / 10};
+  *attr = cudaFuncAttributes{0, 1024, mpf_sim::config().func_regs, __CUDA_ARCH__ / 10, __CUDA_ARCH__ / 10};
   return cudaSuccess;
 }

@@ -17,6 +17,7 @@ struct Config {
   bool shuffle_blocks = true;
   unsigned max_grid_y = 65535;      // grid.y and grid.z limit (cudaDevAttrMaxGridDimY); lower it to have kernels loop
   bool refuse_tensor_maps = false;  // cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (as a driver may)
+  int func_regs = 168;              // cudaFuncGetAttributes' numRegs, of every kernel (what ptxas gives the Hopper GEMM)
 };
 Config& config();
 

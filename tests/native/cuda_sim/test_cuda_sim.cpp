@@ -965,6 +965,12 @@ void test_gemm_wgmma(std::mt19937& rng) {
   gemm_case({2, 136, 264, 72, false, true, 0, DType::kBFloat16, DType::kFloat32, true, true, false, Activation::kGelu, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "a refused tensor map: the WMMA kernel");
   cfg.refuse_tensor_maps = false;
+  // Fewer registers than setmaxnreg's counts need (384 x 160 < 128 x 40 + 256 x 232): the WMMA kernel runs instead of a
+  // launch whose consumers would wait forever for registers.
+  cfg.func_regs = 160;
+  gemm_case({2, 136, 264, 72, true, false, 0, DType::kBFloat16, DType::kFloat16, false, true, false, Activation::kRelu, false}, rng);
+  CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "registers short of setmaxnreg's counts: the WMMA kernel");
+  cfg.func_regs = 168;
   // Misaligned operands take the WMMA kernel's element path.
   gemm_case({1, 33, 40, 24, false, false, 3, DType::kFloat16, DType::kFloat16, true, false, true, Activation::kNone, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "misaligned operands: the WMMA kernel");
