@@ -241,7 +241,12 @@ stage_tests() {
     rc=${PIPESTATUS[0]}
     counts="cuda cases: $(pytest_counts "$log")"
     "$PY" -m pytest "${opts[@]}" -m wgmma tests/test_gemm.py 2>&1 | tee "$log.wgmma"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+      rc=1
+      # where it goes wrong: outputs that name their sources, counted by their place in the tile
+      "$PY" .ci/wgmma_diagnose.py 2>&1 | tee "$LOGS/wgmma-diagnose.log"
+      counts="$counts; $(grep "^wgmma diagnosis:" "$LOGS/wgmma-diagnose.log" | tail -1)"
+    fi
     counts="$counts; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")"
     "$PY" -m pytest -q -p no:cacheprovider tests/test_demo.py 2>&1 | tee "$log.demo"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1

@@ -191,3 +191,31 @@ def test_a_window_refuses_unknown_stages_and_reports_what_it_ran(tmp_path):
     rows = [row.split("\t") for row in (out / "summary.tsv").read_text().splitlines()]
     assert [row[:2] for row in rows] == [["deps", "SKIPPED"], ["report", "FAIL"]], rows
     assert r.returncode != 0 and "stages not passed: 1" in r.stdout
+
+
+def test_the_wgmma_diagnosis_says_where_wrong_outputs_came_from(monkeypatch):
+    """.ci/wgmma_diagnose.py (run by the tests stage when the Hopper kernel's tests fail): on the CPU GEMM every case
+    passes, and a GEMM that misplaces one 16-byte chunk of outputs in one consumer's rows is reported with the
+    count, the place in the tile and the decoded source of the first wrong output."""
+    import importlib.util
+
+    import mpfused
+
+    spec = importlib.util.spec_from_file_location("wgmma_diagnose", ROOT / ".ci" / "wgmma_diagnose.py")
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    assert diag.run_case("fp16-acol-bcol-k320-krow", "cpu") == (True, "ok")
+    real = mpfused.gemm
+
+    def misplaced(a, b, **kw):  # rows 64-127 of each tile (the second consumer): columns 8-15 take 0-7's values
+        out = real(a, b, **kw)
+        bad = out.clone()
+        bad[:, 64:128, 8:16] = out[:, 64:128, 0:8]
+        return bad
+
+    monkeypatch.setattr(mpfused, "gemm", misplaced)
+    ok, msg = diag.run_case("fp16-arow-brow-k64-col", "cpu")
+    assert not ok
+    assert msg.startswith(f"{3 * 64 * 8} of {3 * 384 * 768} wrong") and "by consumer {1: 1536}" in msg, msg
+    assert "by cols32 {0: 1536}" in msg and "by batch {0: 512, 1: 512, 2: 512}" in msg, msg
+    assert "(0,64,8) got 1 (from batch 0 col%512 0), want batch 0 col%512 8" in msg, msg
