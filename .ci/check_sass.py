@@ -60,8 +60,15 @@ RULES: list[tuple[str, str, str, object]] = [
      lambda sm: sm == 90),
     (r"gemm_sm90_kernel<", "TMA tile copies of 3-D boxes", r"\bUTMALDG\.3D\b", lambda sm: sm == 90),
     (r"gemm_sm90_kernel<", "mbarrier waits", r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", lambda sm: sm == 90),
-    (r"gemm_sm90_kernel<", "mbarrier arrivals (the consumers' releases)", r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b",
+    (r"gemm_sm90_kernel<\w+, \w+, \w+, 1>", "mbarrier arrivals (the consumers' releases)",
+     r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b", lambda sm: sm == 90),
+    # In clusters of two CTAs: B's halves multicast to both, releases on both CTAs' mbarriers (remote arrivals), and
+    # the cluster barriers at the start and the end.
+    (r"gemm_sm90_kernel<\w+, \w+, \w+, 2>", "multicast TMA copies", r"\bUTMALDG\.3D\.MULTICAST\b",
      lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<\w+, \w+, \w+, 2>", "remote mbarrier arrivals (the consumers' releases)",
+     r"\bSYNCS\.ARRIVE\.TRANS64\.RED\.A1T0\b", lambda sm: sm == 90),
+    (r"gemm_sm90_kernel<\w+, \w+, \w+, 2>", "cluster barrier", r"\bUCGABAR_WAIT\b", lambda sm: sm == 90),
     (r"gemm_sm90_kernel<", "setmaxnreg", r"\bUSETMAXREG\b", lambda sm: sm == 90),
     (r"gemm_sm90_kernel<", "trap (wgmma needs sm_90a)", r"\bBPT\.TRAP\b", lambda sm: sm != 90),
 ]

@@ -84,12 +84,20 @@ OURS = "mpfused.gemm"
 OURS_FUSED = "mpfused.gemm bias+gelu"
 OURS_LINEAR = "FusedLinear(gelu) forward"
 TORCH_LOWP = "torch.matmul (same dtype)"
-# The Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma, compute capability 9.0 and a build naming 9.0): timed in a round of
-# its own with the environment variable set throughout, beside its own cuBLAS anchor.
-OURS_WGMMA = "mpfused.gemm, Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma)"
-OURS_FUSED_WGMMA = "mpfused.gemm bias+gelu, Hopper kernel"
-TORCH_LOWP_WGMMA = "torch.matmul (same dtype), timed beside the Hopper kernel"
-TORCH_PAIR_WGMMA = "F.linear + F.gelu (same dtype), timed beside the Hopper kernel"
+# The Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma, compute capability 9.0 and a build naming 9.0), and the same in
+# clusters of two CTAs that share B's tiles (wgmma-cluster): each timed in a round of its own with the environment
+# variable set throughout, beside its own cuBLAS anchors (the cluster kernel's round skips the transformer shapes).
+HOPPER_KERNELS = {"wgmma": "Hopper kernel", "wgmma-cluster": "Hopper kernel in 2-CTA clusters"}
+
+
+def hopper_methods(kernel: str) -> dict[str, str]:
+    """The method names of a Hopper kernel's round: ours, ours fused, and the two anchors timed beside them."""
+    label = HOPPER_KERNELS[kernel]
+    return {"ours": f"mpfused.gemm, {label} (MPFUSED_GEMM_KERNEL={kernel})", "fused": f"mpfused.gemm bias+gelu, {label}",
+            "lowp": f"torch.matmul (same dtype), timed beside the {label}",
+            "pair": f"F.linear + F.gelu (same dtype), timed beside the {label}"}
+
+
 TORCH_FP32 = "torch.matmul FP32"
 TORCH_PAIR = "F.linear + F.gelu (same dtype)"
 TORCH_PAIR_FP32 = "F.linear + F.gelu FP32"
@@ -177,23 +185,25 @@ def gemm_kernel(name: Optional[str]):
             os.environ["MPFUSED_GEMM_KERNEL"] = before
 
 
-def hopper_kernel_available(device: torch.device) -> bool:
-    """Whether aligned operands take the Hopper kernel on this device under MPFUSED_GEMM_KERNEL=wgmma."""
+def hopper_kernel_available(device: torch.device, kernel: str = "wgmma") -> bool:
+    """Whether aligned operands take that Hopper kernel on this device under MPFUSED_GEMM_KERNEL=kernel."""
     if device.type != "cuda":
         return False
-    with gemm_kernel("wgmma"):
-        return _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wgmma"
+    with gemm_kernel(kernel):
+        return _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == kernel
 
 
-def run_sections(args, device: torch.device, hopper: bool = False) -> list[dict[str, Any]]:
-    """Every problem with the default kernel and its anchors, or (hopper) the Hopper kernel beside cuBLAS alone."""
+def run_sections(args, device: torch.device, hopper: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every problem with the default kernel and its anchors, or (hopper: 'wgmma', 'wgmma-cluster') that Hopper
+    kernel beside cuBLAS alone."""
     gen = torch.Generator().manual_seed(SEED)
     on_cuda = device.type == "cuda"
     squares = SQUARE[device.type][:2] if args.quick else SQUARE[device.type]
     records: list[dict[str, Any]] = []
     problems = [("square", (s, s, s)) for s in squares]
-    if on_cuda and not args.quick:
+    if on_cuda and not args.quick and hopper != "wgmma-cluster":
         problems += [("transformer", shape) for shape in TRANSFORMER]
+    names = hopper_methods(hopper) if hopper else {}
     for section, (m, n, k) in problems:
         for dtype_name, dtype in DTYPES.items():
             a, b = randn((m, k), dtype, device, gen), randn((k, n), dtype, device, gen)
@@ -205,10 +215,10 @@ def run_sections(args, device: torch.device, hopper: bool = False) -> list[dict[
                     records += measure(section, (m, n, k), dtype_name, gemm_methods(a, b, device), args, device,
                                        single)
             else:
-                with gemm_kernel("wgmma"):
+                with gemm_kernel(hopper):
                     records += measure(section, (m, n, k), dtype_name,
-                                       [(OURS_WGMMA, lambda: mpfused.gemm(a, b), False),
-                                        (TORCH_LOWP_WGMMA, lambda: torch.matmul(a, b), True)], args, device)
+                                       [(names["ours"], lambda: mpfused.gemm(a, b), False),
+                                        (names["lowp"], lambda: torch.matmul(a, b), True)], args, device)
             del a, b
             if on_cuda:
                 torch.cuda.empty_cache()
@@ -222,9 +232,9 @@ def run_sections(args, device: torch.device, hopper: bool = False) -> list[dict[
                     records += measure("linear+gelu", shape, dtype_name, methods, args, device)
             else:
                 fused, pair = methods[0][1], methods[2][1]
-                with gemm_kernel("wgmma"):
+                with gemm_kernel(hopper):
                     records += measure("linear+gelu", shape, dtype_name,
-                                       [(OURS_FUSED_WGMMA, fused, False), (TORCH_PAIR_WGMMA, pair, True)], args, device)
+                                       [(names["fused"], fused, False), (names["pair"], pair, True)], args, device)
             if on_cuda:
                 torch.cuda.empty_cache()
     return records
@@ -277,15 +287,19 @@ def evaluate_targets(records: list[dict[str, Any]], device: torch.device) -> lis
     for dtype_name in DTYPES:
         square("(b)", dtype_name, TORCH_FP32)
     square("(c)", "FP16", TORCH_LOWP)
-    if any(r["method"] == OURS_WGMMA for r in records):
-        size = goal(NAME, "(c)").at
-        add("(c)", f"{size}^3 FP16, Hopper kernel", "square", (size,) * 3, "FP16", OURS_WGMMA, TORCH_LOWP_WGMMA)
+    hoppers = {kernel: hopper_methods(kernel) for kernel in HOPPER_KERNELS}
+    for kernel, names in hoppers.items():
+        if any(r["method"] == names["ours"] for r in records):
+            size = goal(NAME, "(c)").at
+            add("(c)", f"{size}^3 FP16, {HOPPER_KERNELS[kernel]}", "square", (size,) * 3, "FP16", names["ours"],
+                names["lowp"])
     for m, n, k in LINEAR_GELU["cuda"]:
         for dtype_name in DTYPES:
             add("(d)", f"{m}x{n}, K={k} {dtype_name}", "linear+gelu", (m, n, k), dtype_name, OURS_FUSED, TORCH_PAIR)
-            if any(r["method"] == OURS_FUSED_WGMMA for r in records):
-                add("(d)", f"{m}x{n}, K={k} {dtype_name}, Hopper kernel", "linear+gelu", (m, n, k), dtype_name,
-                    OURS_FUSED_WGMMA, TORCH_PAIR_WGMMA)
+            for kernel, names in hoppers.items():
+                if any(r["method"] == names["fused"] for r in records):
+                    add("(d)", f"{m}x{n}, K={k} {dtype_name}, {HOPPER_KERNELS[kernel]}", "linear+gelu", (m, n, k),
+                        dtype_name, names["fused"], names["pair"])
     return targets
 
 
@@ -316,19 +330,20 @@ def main() -> None:
               "max_seconds": args.max_seconds, "square": SQUARE[device.type],
               "transformer": TRANSFORMER if device.type == "cuda" else [],
               "linear_gelu_mnk": LINEAR_GELU[device.type], "torch_num_threads": torch.get_num_threads()}
-    if hopper_kernel_available(device):
-        # The Hopper kernel has not run on a GPU before: the results so far are saved first, so that a fault in
-        # its rounds (which loses the process's CUDA context) keeps them.
-        if out is not None:
-            write_json(out, machine, roofs, records, config=config, targets=evaluate_targets(records, device))
-        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): agreement check, then rounds of its own "
-                   "beside cuBLAS")
-        with gemm_kernel("wgmma"):
-            check_exact(device)
-        records += run_sections(args, device, hopper=True)
-    elif device.type == "cuda":
-        print_text("the Hopper GEMM kernel (MPFUSED_GEMM_KERNEL=wgmma): not available here (needs compute "
-                   "capability 9.0 and a build whose TORCH_CUDA_ARCH_LIST names 9.0)")
+    for kernel, label in HOPPER_KERNELS.items():
+        if hopper_kernel_available(device, kernel):
+            # The Hopper kernels have not run on a GPU before: the results so far are saved first, so that a fault
+            # in their rounds (which loses the process's CUDA context) keeps them.
+            if out is not None:
+                write_json(out, machine, roofs, records, config=config, targets=evaluate_targets(records, device))
+            print_text(f"the {label} (MPFUSED_GEMM_KERNEL={kernel}): agreement check, then rounds of its own beside "
+                       "cuBLAS")
+            with gemm_kernel(kernel):
+                check_exact(device)
+            records += run_sections(args, device, hopper=kernel)
+        elif device.type == "cuda":
+            print_text(f"the {label} (MPFUSED_GEMM_KERNEL={kernel}): not available here (needs compute capability 9.0 "
+                       "and a build whose TORCH_CUDA_ARCH_LIST names 9.0)")
     machine["cpu_busy_after_run"] = cpu_busy_fraction()
     warn_if_busy(machine["cpu_busy_after_run"], "just after this run")
     print_results(records, device)

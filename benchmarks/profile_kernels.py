@@ -84,28 +84,36 @@ def _gemm(device: torch.device) -> None:
     mpfused.gemm(a, b)
 
 
-def _hopper_unavailable() -> Optional[str]:
-    """Why MPFUSED_GEMM_KERNEL=wgmma would not take the Hopper kernel here (then ncu would find no launch of it)."""
-    import os
+def _hopper_unavailable(kernel: str) -> Callable[[], Optional[str]]:
+    """Why MPFUSED_GEMM_KERNEL=kernel ('wgmma', 'wgmma-cluster') would not take that Hopper kernel here (then ncu
+    would find no launch of it)."""
 
-    from mpfused import _ops
+    def why() -> Optional[str]:
+        import os
 
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    os.environ["MPFUSED_GEMM_KERNEL"] = "wgmma"
-    try:
-        if _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == "wgmma":
-            return None
-    finally:
-        del os.environ["MPFUSED_GEMM_KERNEL"]
-    return "the Hopper GEMM kernel needs compute capability 9.0 and a build whose TORCH_CUDA_ARCH_LIST names 9.0"
+        from mpfused import _ops
+
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        os.environ["MPFUSED_GEMM_KERNEL"] = kernel
+        try:
+            if _ops._C.gemm_cuda_kernel(torch.cuda.current_device()) == kernel:
+                return None
+        finally:
+            del os.environ["MPFUSED_GEMM_KERNEL"]
+        return "the Hopper GEMM kernel needs compute capability 9.0 and a build whose TORCH_CUDA_ARCH_LIST names 9.0"
+
+    return why
 
 
-def _gemm_wgmma(device: torch.device) -> None:
-    import os
+def _gemm_wgmma(kernel: str) -> Callable[[torch.device], None]:
+    def run(device: torch.device) -> None:
+        import os
 
-    os.environ["MPFUSED_GEMM_KERNEL"] = "wgmma"  # the Hopper kernel (this workload's process only)
-    _gemm(device)
+        os.environ["MPFUSED_GEMM_KERNEL"] = kernel  # that Hopper kernel (this workload's process only)
+        _gemm(device)
+
+    return run
 
 
 def _convert(device: torch.device) -> None:
@@ -126,8 +134,10 @@ WORKLOADS: dict[str, Workload] = {
     "check-fp16": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float16)),
     "check-fp32": Workload("overflow_kernel", "check >= 85% of the read roof", _check(torch.float32)),
     "gemm-fp16-4096": Workload("gemm_kernel", "WMMA GEMM >= 50% of cuBLAS", _gemm),
-    "gemm-fp16-4096-wgmma": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS", _gemm_wgmma,
-                                     _hopper_unavailable),
+    "gemm-fp16-4096-wgmma": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS", _gemm_wgmma("wgmma"),
+                                     _hopper_unavailable("wgmma")),
+    "gemm-fp16-4096-wgmma-cluster": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS",
+                                             _gemm_wgmma("wgmma-cluster"), _hopper_unavailable("wgmma-cluster")),
     "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
 }
 

@@ -78,7 +78,7 @@ int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::
 }
 
 // The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
-// MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel) or "wmma".
+// MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel), "wgmma-cluster" (the same in clusters of two CTAs) or "wmma".
 std::string gemm_cuda_kernel(int64_t index) {
 #ifdef MPFUSED_WITH_CUDA
   const int64_t count = c10::cuda::device_count();
@@ -86,7 +86,8 @@ std::string gemm_cuda_kernel(int64_t index) {
   if (index < 0 || index >= count)
     fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
-  return mpf::gemm_sm90_selected(true, static_cast<int>(index)) ? "wgmma" : "wmma";
+  if (!mpf::gemm_sm90_selected(true, static_cast<int>(index))) return "wmma";
+  return mpf::gemm_kernel_choice() == mpf::GemmKernelChoice::kWgmmaCluster ? "wgmma-cluster" : "wgmma";
 #else
   (void)index;
   fail("this mpfused build has no CUDA kernels (built CPU-only)");
@@ -365,7 +366,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overflow_planned_launches", &overflow_planned_launches, pybind11::arg("numel"), pybind11::arg("device_type"),
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("gemm_cuda_kernel", &gemm_cuda_kernel, pybind11::arg("index"),
-        "The CUDA GEMM kernel aligned operands take on this device: 'wgmma' or 'wmma' (MPFUSED_GEMM_KERNEL).");
+        "The CUDA GEMM kernel aligned operands take on this device: 'wgmma', 'wgmma-cluster' or 'wmma' (MPFUSED_GEMM_KERNEL).");
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),

@@ -222,9 +222,10 @@ void gemm_cuda(const GemmArgs& args, void* stream);
 // sm_80, or a build without an sm_80+ image of the BF16 kernel). `device` must be the current device.
 std::string gemm_unsupported(DType input_dtype, int device);
 // The CUDA GEMM's kernel for 16-byte-aligned operands on a compute capability 9.0 GPU: MPFUSED_GEMM_KERNEL=wgmma
-// takes the Hopper kernel (sm_90a warpgroup MMAs, gemm.cu; not yet run on a GPU, so not the default), unset
-// or "wmma" the WMMA kernel that every GPU runs; any other value throws std::invalid_argument.
-enum class GemmKernelChoice { kWmma, kWgmma };
+// takes the Hopper kernel (sm_90a warpgroup MMAs, gemm.cu; not yet run on a GPU, so not the default), "wgmma-cluster"
+// the same in clusters of two CTAs that share B's tiles, unset or "wmma" the WMMA kernel that every GPU runs; any
+// other value throws std::invalid_argument.
+enum class GemmKernelChoice { kWmma, kWgmma, kWgmmaCluster };
 GemmKernelChoice gemm_kernel_choice();
 bool gemm_sm90_built();  // this build holds sm_90a code (its TORCH_CUDA_ARCH_LIST named 9.0)
 // Whether gemm_cuda takes the Hopper kernel on `device` for operands that are (vector_path) or are not

@@ -21,12 +21,13 @@ INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat
 BATCH_MODES = [(None, None), (2, 2), (3, None), (None, 2)]
 
 
-def _hopper_skip_reason():
-    """Why the Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma) cannot run here, or None."""
+def _hopper_skip_reason(kernel):
+    """Why the Hopper kernel (MPFUSED_GEMM_KERNEL=kernel: 'wgmma' or 'wgmma-cluster', set by the caller) cannot run
+    here, or None."""
     if cuda_skip_reason() is not None:
         return cuda_skip_reason()
     index = torch.cuda.current_device()
-    if _ops._C.gemm_cuda_kernel(index) == "wgmma":
+    if _ops._C.gemm_cuda_kernel(index) == kernel:
         return None
     major, minor = torch.cuda.get_device_capability(index)
     return (f"the Hopper GEMM kernel needs a compute capability 9.0 GPU (this one is {major}.{minor}) and a build whose "
@@ -35,18 +36,21 @@ def _hopper_skip_reason():
 
 @pytest.fixture(params=["cpu",
                         pytest.param("cuda", marks=pytest.mark.cuda),
-                        pytest.param("cuda-wgmma", marks=[pytest.mark.cuda, pytest.mark.wgmma])])
+                        pytest.param("cuda-wgmma", marks=[pytest.mark.cuda, pytest.mark.wgmma]),
+                        pytest.param("cuda-wgmma-cluster", marks=[pytest.mark.cuda, pytest.mark.wgmma])])
 def device(request, monkeypatch):
-    """Every GEMM test on the CPU, on CUDA with the WMMA kernel, and on CUDA with the Hopper kernel (16-byte aligned
-    operands on a compute capability 9.0 GPU; other operands take the WMMA kernel there too)."""
+    """Every GEMM test on the CPU, on CUDA with the WMMA kernel, and on CUDA with the Hopper kernel, alone and in
+    clusters of two CTAs (16-byte aligned operands on a compute capability 9.0 GPU; other operands take the WMMA
+    kernel there too)."""
     if request.param == "cpu":
         return "cpu"
     if cuda_skip_reason() is not None:
         pytest.skip(cuda_skip_reason())
-    if request.param == "cuda-wgmma":
-        monkeypatch.setenv("MPFUSED_GEMM_KERNEL", "wgmma")
-        if _hopper_skip_reason() is not None:
-            pytest.skip(_hopper_skip_reason())
+    if request.param.startswith("cuda-wgmma"):
+        kernel = request.param[len("cuda-"):]
+        monkeypatch.setenv("MPFUSED_GEMM_KERNEL", kernel)
+        if _hopper_skip_reason(kernel) is not None:
+            pytest.skip(_hopper_skip_reason(kernel))
     else:
         monkeypatch.delenv("MPFUSED_GEMM_KERNEL", raising=False)
     return "cuda"
@@ -542,7 +546,7 @@ def test_gemm_kernel_query_without_a_gpu():
 
 @requires_cuda
 def test_unknown_gemm_kernel_setting_is_an_error(monkeypatch):
-    """An MPFUSED_GEMM_KERNEL that is neither 'wmma' nor 'wgmma' fails the call with a message naming it, on any
+    """An MPFUSED_GEMM_KERNEL that is not 'wmma', 'wgmma' or 'wgmma-cluster' fails the call with a message naming it, on any
     GPU and build (checked before the kernel is chosen); 'wmma' runs the WMMA kernel."""
     a = torch.ones(8, 8, dtype=torch.float16, device="cuda")
     monkeypatch.setenv("MPFUSED_GEMM_KERNEL", "fastest")

@@ -445,8 +445,18 @@ struct Sm90Params {
   int a_batched, b_batched;
 };
 
-template <typename T, bool kACol, bool kBCol>
+// kCluster: 1, or 2 for clusters of two CTAs along M that share B's tile: each CTA copies half of it (128 of its 256
+// columns) with a multicast copy that lands in both CTAs' shared memory, so that L2 sends each B tile once per pair
+// (48 KB a step per CTA become 32). A stage then goes back to the producers when the consumers of both CTAs are
+// done with it: empty[s] counts the arrivals of both CTAs' consumer warps, each warp arriving on its own CTA's
+// barrier and on its peer's. The two CTAs walk the same work items (pairs of M tiles), and every thread of both
+// meets at a cluster barrier after the mbarriers' initialisation (a peer's copies and arrivals may come as soon as
+// it passes it) and at the end (a CTA must not exit while its peer may still arrive on its barriers). Where the
+// output has an odd number of tile rows, the second CTA of the last pair copies the first CTA's A tile (so that
+// every copy lies inside A) and stores nothing.
+template <typename T, bool kACol, bool kBCol, int kCluster>
 __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs along M");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // The swizzle is taken from address bits: the tiles start on a 1024-byte boundary of the shared window.
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -468,38 +478,49 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
 #pragma unroll
     for (int s = 0; s < kSm90Stages; ++s) {
       sm90::mbar_init(full0 + 8 * s, 1);
-      sm90::mbar_init(empty0 + 8 * s, kSm90Consumers * 4);
+      sm90::mbar_init(empty0 + 8 * s, kSm90Consumers * 4 * kCluster);
     }
     sm90::fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) sm90::cluster_sync();
+  else __syncthreads();
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  const int64_t tiles = kp.tiles_m * kp.tiles_n;
-  const int64_t work = tiles * g.batch;  // work items: (batch, tile), batch-major
-  // Work item w -> its batch and the origin of its tile.
-  auto locate = [&](int64_t w, int64_t* batch, int* m0, int* n0) {
+  // Work items: (batch, a cluster's tiles), batch-major; this CTA's cluster takes items first, first + stride, ...
+  // Everything here is computed from the parameters (constant memory) where it is used, so that nothing of it stays
+  // live across the role split: the producer has 40 registers.
+  auto tiles_mc = [&] { return (kp.tiles_m + kCluster - 1) / kCluster; };  // tile rows of clusters
+  auto work = [&] { return tiles_mc() * kp.tiles_n * g.batch; };
+  auto first = [] { return static_cast<int64_t>(blockIdx.x / kCluster); };
+  auto stride = [] { return static_cast<int64_t>(gridDim.x / kCluster); };
+  // Work item w -> its batch and the origin of this CTA's tile; a_m0: the rows of A it copies (m0, except past the
+  // last tile row, where it is a copy of the first CTA's, whose outputs only that one stores).
+  auto locate = [&](int64_t w, int64_t* batch, int* m0, int* a_m0, int* n0) {
+    const int64_t tiles = tiles_mc() * kp.tiles_n;
     *batch = w / tiles;
-    int64_t tile_m, tile_n;
-    gemm_tile_of_block(w - *batch * tiles, kp.tiles_m, kp.tiles_n, &tile_m, &tile_n);
+    int64_t tile_mc, tile_n;
+    gemm_tile_of_block(w - *batch * tiles, tiles_mc(), kp.tiles_n, &tile_mc, &tile_n);
+    const int64_t tile_m = tile_mc * kCluster + (kCluster > 1 ? sm90::cluster_ctarank() : 0u);
     *m0 = static_cast<int>(tile_m * kSm90BlockM);
+    *a_m0 = static_cast<int>((tile_m < kp.tiles_m ? tile_m : tile_mc * kCluster) * kSm90BlockM);
     *n0 = static_cast<int>(tile_n * kSm90BlockN);
   };
 
   if (wg == 0) {
     // ---- producer ----
     sm90::setmaxnreg_dec<kSm90ProducerRegs>();  // warpgroup-wide: before the other 127 threads leave
-    if (threadIdx.x != 0) return;               // no block-wide barrier follows: they have nothing to do
-    uint32_t it = 0;                            // steps issued over all of this block's tiles
-    for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    if (threadIdx.x != 0) return;  // nothing to do (in a cluster, the kernel's final barrier waits for them)
+    uint32_t it = 0;  // steps issued over all of this block's tiles
+    for (int64_t w = first(); w < work(); w += stride()) {
       int64_t batch;
-      int m0, n0;
-      locate(w, &batch, &m0, &n0);
+      int m0, a_m0, n0;
+      locate(w, &batch, &m0, &a_m0, &n0);
+      (void)m0;
       const int ba = p.a_batched ? static_cast<int>(batch) : 0, bb = p.b_batched ? static_cast<int>(batch) : 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const uint32_t s = it % kSm90Stages, parity = (it / kSm90Stages) & 1u;
         const uint32_t full = full0 + 8 * s;
-        sm90::mbar_wait(empty0 + 8 * s, parity ^ 1u);  // both consumers are done with the stage's last round
+        sm90::mbar_wait(empty0 + 8 * s, parity ^ 1u);  // every consumer is done with the stage's last round
         sm90::mbar_arrive_expect_tx(full, kSm90StageBytes);
         const uint32_t sa = smem0 + s * kSm90StageBytes, sb = sa + kSm90ATileBytes;
         const int k0 = kt * kSm90BlockK;
@@ -507,17 +528,34 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
         if constexpr (kACol) {
 #pragma unroll
           for (int panel = 0; panel < kSm90BlockM / 64; ++panel)
-            sm90::tma_load_3d(sa + panel * kSm90PanelBytes, &p.a, m0 + 64 * panel, k0, ba, full);
+            sm90::tma_load_3d(sa + panel * kSm90PanelBytes, &p.a, a_m0 + 64 * panel, k0, ba, full);
         } else {
-          sm90::tma_load_3d(sa, &p.a, k0, m0, ba, full);
+          sm90::tma_load_3d(sa, &p.a, k0, a_m0, ba, full);
         }
-        // B is (k, n): column-major is K-major (64 K x 256 rows), row-major four 64-wide N panels.
-        if constexpr (kBCol) {
-          sm90::tma_load_3d(sb, &p.b, k0, n0, bb, full);
-        } else {
+        // B is (k, n): column-major is K-major (64 K x 256 rows), row-major four 64-wide N panels. In a cluster,
+        // this CTA's part (its 1 / kCluster of the rows or panels) goes to every CTA of it.
+        if constexpr (kCluster == 1) {
+          if constexpr (kBCol) {
+            sm90::tma_load_3d(sb, &p.b, k0, n0, bb, full);
+          } else {
 #pragma unroll
-          for (int panel = 0; panel < kSm90BlockN / 64; ++panel)
-            sm90::tma_load_3d(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full);
+            for (int panel = 0; panel < kSm90BlockN / 64; ++panel)
+              sm90::tma_load_3d(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full);
+          }
+        } else {
+          constexpr uint16_t kAll = (1u << kCluster) - 1;
+          constexpr int kRows = kSm90BlockN / kCluster;  // of B's tile, this CTA's part
+          const uint32_t rank = sm90::cluster_ctarank();
+          if constexpr (kBCol) {
+            sm90::tma_load_3d_multicast(sb + rank * kRows * sm90::kLineBytes, &p.b, k0, n0 + kRows * static_cast<int>(rank),
+                                        bb, full, kAll);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kRows / 64; ++i) {
+              const int panel = static_cast<int>(rank) * (kRows / 64) + i;
+              sm90::tma_load_3d_multicast(sb + panel * kSm90PanelBytes, &p.b, n0 + 64 * panel, k0, bb, full, kAll);
+            }
+          }
         }
       }
     }
@@ -527,21 +565,33 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   // ---- consumers ----
   sm90::setmaxnreg_inc<kSm90ConsumerRegs>();
   const int cw = wg - 1;  // this consumer's 64 rows of the tile
-  const int t = static_cast<int>(threadIdx.x) % 128, lane = t % 32, w16 = t / 32;
+  const int t = static_cast<int>(threadIdx.x) % 128, w16 = t / 32;
   const EpilogueScalars es = epilogue_scalars(g);
-  // This warp's epilogue slice: 16 rows of kSm90EpiCols floats.
-  float* slice = reinterpret_cast<float*>(smem + kEpiOffset + (cw * 4 + w16) * kSm90EpiBytes);
+  // This warp's epilogue slice: 16 rows of kSm90EpiCols floats (its addresses are computed in the epilogue, from a
+  // copy of the lane the compiler cannot see through: hoisted out of the tile loop, they stayed live through the K
+  // loop and made the 2-CTA kernel spill).
+  unsigned char* const slices = smem + kEpiOffset;
   // After wgmma.wait_group has retired a stage's MMAs in this warp, the warp gives the stage back: one arrival
-  // a warp. (__syncwarp first: every lane has passed its wait before lane 0 speaks for the warp.)
+  // a warp, on every CTA of the cluster. (__syncwarp first: every lane has passed its wait before lane 0 speaks for
+  // the warp.)
   auto release = [&](uint32_t step) {
     __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(empty0 + 8 * (step % kSm90Stages));
+    if (t % 32 == 0) {
+      const uint32_t bar = empty0 + 8 * (step % kSm90Stages);
+      if constexpr (kCluster == 1) {
+        sm90::mbar_arrive(bar);
+      } else {
+#pragma unroll
+        for (uint32_t r = 0; r < kCluster; ++r) sm90::mbar_arrive_cluster(bar, r);
+      }
+    }
   };
   uint32_t it = 0;
-  for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+  for (int64_t w = first(); w < work(); w += stride()) {
     int64_t batch;
-    int m0, n0;
-    locate(w, &batch, &m0, &n0);
+    int m0, a_m0, n0;
+    locate(w, &batch, &m0, &a_m0, &n0);
+    (void)a_m0;
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -581,8 +631,11 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
     // 8 j + 2 (lane % 4) + h of the warp's 16 rows (j < 32).
     const int64_t out_base = batch * g.m * g.n;
     const int64_t row0 = m0 + cw * 64 + w16 * 16;  // the warp's first row
+    float* const slice = reinterpret_cast<float*>(slices + (cw * 4 + w16) * kSm90EpiBytes);
 #pragma unroll 1  // the epilogue's code is emitted once, not once per group of columns
     for (int cc = 0; cc < kSm90BlockN / kSm90EpiCols; ++cc) {
+      int lane = t % 32;
+      asm volatile("" : "+r"(lane));  // the slice's addresses computed here, once a group (see `slices`)
 #pragma unroll  // constant indices keep acc in registers; the predicate selects group cc
       for (int c2 = 0; c2 < kSm90BlockN / kSm90EpiCols; ++c2)
         if (c2 == cc)
@@ -614,10 +667,12 @@ __device__ __forceinline__ void gemm_body_sm90(const Sm90Params& p) {
   }
 }
 
-template <typename T, bool kACol, bool kBCol>
+template <typename T, bool kACol, bool kBCol, int kCluster>
 __global__ void __launch_bounds__(kSm90Threads, 1) gemm_sm90_kernel(const __grid_constant__ Sm90Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  gemm_body_sm90<T, kACol, kBCol>(p);
+  gemm_body_sm90<T, kACol, kBCol, kCluster>(p);
+  // Every thread of both CTAs, from either role: a CTA must not exit while its peer may still arrive on its barriers.
+  if constexpr (kCluster > 1) sm90::cluster_sync();
 #else
   (void)p;
   __trap();  // unreachable: the launcher takes this kernel only where the sm_90a image runs
@@ -666,25 +721,50 @@ bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int6
   return r == CUDA_SUCCESS;
 }
 
-// Launches the kernel; false (nothing launched) where the registers ptxas gave it cannot cover setmaxnreg's counts
-// (the consumers' increase would then wait forever): the static_assert above assumes 65536 / 384 a thread, which
-// a flag such as -maxrregcount or another ptxas could lower.
-template <typename T, bool kACol, bool kBCol>
-bool launch_sm90(const Sm90Params& p, int64_t blocks, cudaStream_t stream) {
-  auto kernel = gemm_sm90_kernel<T, kACol, kBCol>;
+// Launches the kernel over `work` items; false (nothing launched) where the registers ptxas gave it cannot cover
+// setmaxnreg's counts (the consumers' increase would then wait forever: the static_assert above assumes 65536 / 384 a
+// thread, which a flag such as -maxrregcount or another ptxas could lower), or where no cluster fits the device.
+// A persistent grid: one CTA per SM (the kernel's shared memory allows no second), as many clusters as can run at
+// once (cudaOccupancyMaxActiveClusters: a pair needs two free SMs of one GPC), fewer where there is less work.
+template <typename T, bool kACol, bool kBCol, int kCluster>
+bool launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t stream) {
+  auto kernel = gemm_sm90_kernel<T, kACol, kBCol, kCluster>;
   cudaFuncAttributes attr{};  // (a host-side query of the loaded module, as cheap as the attribute set below)
   cuda_check(cudaFuncGetAttributes(&attr, kernel), "gemm: kernel query");
   if (attr.numRegs * kSm90Threads < kSm90RegsNeeded) return false;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
              "gemm: setting the shared-memory size");
-  kernel<<<static_cast<unsigned>(blocks), kSm90Threads, kSm90SmemBytes, stream>>>(p);
-  cuda_check(cudaGetLastError(), "gemm kernel launch");
+  if constexpr (kCluster == 1) {
+    const int64_t blocks = work < sms ? work : sms;
+    kernel<<<static_cast<unsigned>(blocks), kSm90Threads, kSm90SmemBytes, stream>>>(p);
+    cuda_check(cudaGetLastError(), "gemm kernel launch");
+  } else {
+    cudaLaunchAttribute cluster[1] = {};
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = kCluster;
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(kCluster * (sms / kCluster > 0 ? sms / kCluster : 1)));
+    config.blockDim = dim3(kSm90Threads);
+    config.dynamicSmemBytes = kSm90SmemBytes;
+    config.stream = stream;
+    config.attrs = cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    cuda_check(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "gemm: cluster occupancy query");
+    if (clusters <= 0) return false;
+    const int64_t n = work < clusters ? work : clusters;
+    config.gridDim = dim3(static_cast<unsigned>(n * kCluster));
+    cuda_check(cudaLaunchKernelEx(&config, kernel, p), "gemm kernel launch");
+  }
   return true;
 }
 
-// Launches the Hopper kernel; false (nothing launched) where it cannot take these operands: K = 0 (no copies
-// to make), coordinates past int32, a tensor map the driver refuses, or registers short of setmaxnreg's counts.
-template <typename T>
+// Launches the Hopper kernel (kCluster CTAs a cluster); false (nothing launched) where it cannot take these operands:
+// K = 0 (no copies to make), coordinates past int32, a tensor map the driver refuses, registers short of
+// setmaxnreg's counts, or no cluster that fits.
+template <typename T, int kCluster>
 bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t stream) {
   const GemmArgs& g = kp_in.g;
   constexpr int64_t kMaxCoord = 0x7fffffff - 256;  // TMA coordinates are int32; a box may start past the extent
@@ -692,8 +772,9 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t st
   Sm90Params p{};
   p.kp = kp_in;
   bool a_batched = false, b_batched = false;
+  // B's K-major box: the rows of this CTA's part of the tile (all of them without a cluster).
   if (!encode_operand_map(&p.a, g.a, g.m, g.k, g.batch, !g.a.col_major, kSm90BlockM, &a_batched) ||
-      !encode_operand_map(&p.b, g.b, g.k, g.n, g.batch, g.b.col_major, kSm90BlockN, &b_batched))
+      !encode_operand_map(&p.b, g.b, g.k, g.n, g.batch, g.b.col_major, kSm90BlockN / kCluster, &b_batched))
     return false;
   p.a_batched = a_batched ? 1 : 0;
   p.b_batched = b_batched ? 1 : 0;
@@ -701,20 +782,19 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t st
   p.kp.tiles_n = (g.n + kSm90BlockN - 1) / kSm90BlockN;
   const int64_t tiles = p.kp.tiles_m * p.kp.tiles_n;
   if (tiles > 0x7fffffff) throw std::runtime_error("mpfused.gemm: the output has more than 2^31 - 1 tiles");
-  // A persistent grid: one block per SM (the kernel's shared memory allows no second), fewer where there is less work.
   int sms = 0;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemm: device query");
-  const int64_t work = tiles * g.batch;  // <= 2^31 * 2^31: no overflow
-  const int64_t blocks = work < sms ? work : sms;
+  // work items: (batch, a cluster's tiles); <= 2^31 * 2^31, no overflow
+  const int64_t work = (p.kp.tiles_m + kCluster - 1) / kCluster * p.kp.tiles_n * g.batch;
   const bool ac = g.a.col_major, bc = g.b.col_major;
-  if (!ac && !bc) return launch_sm90<T, false, false>(p, blocks, stream);
-  if (!ac && bc) return launch_sm90<T, false, true>(p, blocks, stream);
-  if (ac && !bc) return launch_sm90<T, true, false>(p, blocks, stream);
-  return launch_sm90<T, true, true>(p, blocks, stream);
+  if (!ac && !bc) return launch_sm90<T, false, false, kCluster>(p, work, sms, stream);
+  if (!ac && bc) return launch_sm90<T, false, true, kCluster>(p, work, sms, stream);
+  if (ac && !bc) return launch_sm90<T, true, false, kCluster>(p, work, sms, stream);
+  return launch_sm90<T, true, true, kCluster>(p, work, sms, stream);
 }
 #else
 // No sm_90a code in this build: aligned operands take the WMMA kernel.
-template <typename T>
+template <typename T, int kCluster>
 bool dispatch_layout_sm90(const KernelParams&, int, cudaStream_t) {
   return false;
 }
@@ -762,8 +842,10 @@ GemmKernelChoice gemm_kernel_choice() {
   const std::string s = v ? v : "";
   if (s.empty() || s == "wmma") return GemmKernelChoice::kWmma;
   if (s == "wgmma") return GemmKernelChoice::kWgmma;
-  throw std::invalid_argument("MPFUSED_GEMM_KERNEL must be 'wmma' (the default) or 'wgmma' (the Hopper kernel, not yet "
-                              "run on a GPU), got '" + s + "'");
+  if (s == "wgmma-cluster") return GemmKernelChoice::kWgmmaCluster;
+  throw std::invalid_argument("MPFUSED_GEMM_KERNEL must be 'wmma' (the default), 'wgmma' (the Hopper kernel) or "
+                              "'wgmma-cluster' (the Hopper kernel in clusters of two CTAs; neither run on a GPU yet), got '" +
+                              s + "'");
 }
 
 bool gemm_sm90_built() {
@@ -776,7 +858,7 @@ bool gemm_sm90_built() {
 
 bool gemm_sm90_selected(bool vector_path, int device) {
   // The setting first: a value that is neither kernel is an error on every build and GPU.
-  if (gemm_kernel_choice() != GemmKernelChoice::kWgmma || !vector_path || !gemm_sm90_built()) return false;
+  if (gemm_kernel_choice() == GemmKernelChoice::kWmma || !vector_path || !gemm_sm90_built()) return false;
   int major = 0, minor = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemm: device query");
   cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "gemm: device query");
@@ -801,8 +883,12 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   const bool bf16 = args.a.dtype == DType::kBFloat16;
   if (gemm_sm90_selected(plan.vector_path, device)) {
     // Where it cannot take the operands (K = 0, a tensor map the driver refuses), the WMMA kernel runs.
-    if (bf16 ? dispatch_layout_sm90<__nv_bfloat16>(kp, device, stream) : dispatch_layout_sm90<__half>(kp, device, stream))
-      return;
+    const bool launched = gemm_kernel_choice() == GemmKernelChoice::kWgmmaCluster
+                              ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
+                                      : dispatch_layout_sm90<__half, 2>(kp, device, stream))
+                              : (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream)
+                                      : dispatch_layout_sm90<__half, 1>(kp, device, stream));
+    if (launched) return;
   }
   if (bf16) dispatch_layout<__nv_bfloat16>(kp, plan, stream);
   else dispatch_layout<__half>(kp, plan, stream);

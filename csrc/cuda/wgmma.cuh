@@ -94,6 +94,40 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
       : "memory");
 }
 
+// ---- thread block clusters (the Hopper GEMM's 2-CTA variant) ----
+// This CTA's rank in its cluster (x fastest).
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  return __clusterRelativeBlockRank();
+#else
+  return 0;  // no clusters below sm_90 (the Hopper kernel's image there is a trap)
+#endif
+}
+// A barrier of every thread of the cluster (none may have exited): each thread's earlier memory accesses, remote
+// mbarrier arrivals included, are ordered before the accesses of every thread after it (release, then acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// One arrival on the mbarrier at shared address `bar` of the cluster's CTA `rank` (the same offset in that CTA's
+// shared memory; rank may be this CTA's own). Default semantics (release at CTA scope): the GEMM's consumers arrive
+// once wgmma.wait_group has retired their reads of the stage, so nothing of theirs is left to order before the
+// peer's copies; a cluster-scope release would put a GPU-wide memory barrier before every arrival.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+               "r"(rank)
+               : "memory");
+}
+// tma_load_3d into the same shared address of every CTA of the cluster whose rank is a bit of `mask`, each copy
+// completing its bytes on that CTA's mbarrier at `bar`.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
+      : "memory");
+}
+
 // Hands registers back (dec) or takes more (inc) for the executing warpgroup: every warp of it runs the same one.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {

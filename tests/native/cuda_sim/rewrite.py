@@ -12,7 +12,8 @@ SOURCE's lines (a #line directive names it):
   - ``__shared__ T name[dims];`` becomes a reference to the block's shared slot of that declaration, and
     ``extern __shared__ __align__(A) T name[];`` a pointer to the block's dynamic shared memory;
   - the cp.async inline assembly becomes calls of the simulator's cp.async, and wgmma.cuh's (the warpgroup MMA,
-    its fences, commits and waits; mbarriers, TMA copies, setmaxnreg) calls of the simulator's;
+    its fences, commits and waits; mbarriers, TMA copies, setmaxnreg; cluster barriers, remote arrivals and
+    multicast copies) calls of the simulator's;
   - a ``const __grid_constant__ T name`` parameter becomes ``const T& name``: read in place, as on the GPU,
     instead of a copy per thread (up to 32 KB each).
 Any other ``asm`` or ``__shared__`` left over is an error: the simulator would not know what it does.
@@ -151,6 +152,16 @@ def _asm_call(m: re.Match) -> str:
     if insn == ("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                 "[%0], [%1, {%2, %3, %4}], [%5]"):
         return f"::mpf_sim::tma_load_3d({', '.join(operands)});"
+    if insn == ("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+                "[%0], [%1, {%2, %3, %4}], [%5], %6"):
+        return f"::mpf_sim::tma_load_3d_multicast({', '.join(operands)});"
+    if insn == "barrier.cluster.arrive.release":
+        return "::mpf_sim::cluster_arrive();"
+    if insn == "barrier.cluster.wait.acquire":
+        return "::mpf_sim::cluster_wait();"
+    if insn == ("{.reg .b32 remote;mapa.shared::cluster.u32 remote, %0, %1;"
+                "mbarrier.arrive.shared::cluster.b64 _, [remote];}"):
+        return f"::mpf_sim::mbar_arrive_cluster({operands[0]}, {operands[1]});"
     if insn in ("setmaxnreg.dec.sync.aligned.u32 %0", "setmaxnreg.inc.sync.aligned.u32 %0"):
         return f"::mpf_sim::setmaxnreg({operands[0]});"
     if insn == "cp.async.commit_group":

@@ -134,6 +134,7 @@ Stats& stats() {
 namespace {
 
 cudaError_t last_error = cudaSuccess;
+cudaError_t launch_status = cudaSuccess;  // of the last launch that ran
 
 struct CpCopy {
   void* dst;
@@ -196,6 +197,7 @@ struct Fiber {
   std::map<float*, WgAcc> wg_acc;
   uint64_t wg_seq = 0;
   bool proxy_dirty = false;  // cp.async copies landed with no fence.proxy.async after them
+  bool cluster_arrived = false;  // barrier.cluster.arrive, not yet followed by its wait
 #if MPF_SIM_TSAN
   void* tsan = nullptr;
 #endif
@@ -229,8 +231,13 @@ struct MBarTable {
   unsigned used = 0;
 };
 
+struct ClusterState;
 struct BlockState {
   unsigned nthreads = 0;
+  uint3 idx{};               // blockIdx
+  unsigned rank = 0;         // in its cluster
+  ClusterState* cluster = nullptr;
+  unsigned live = 0;         // threads not yet ended: at 0 the block has exited and its shared memory is gone
   std::unique_ptr<MBarTable> mbars;
   Barrier bar;
   std::vector<Barrier> warps;
@@ -252,6 +259,12 @@ struct BlockState {
     unsigned threads;
   };
   std::map<std::pair<unsigned, uint64_t>, WgIssue> wg_issued;
+};
+
+// The blocks of a cluster, run together, and their barrier.cluster.
+struct ClusterState {
+  std::vector<BlockState*> blocks;
+  Barrier bar;  // barrier.cluster: every thread of every block (exited ones never arrive)
 };
 
 namespace {
@@ -302,6 +315,7 @@ void to_fiber(Fiber& f, bool sync) {
   s.current = &f;
   tctx = &f.ctx;
   threadIdx = f.tid;
+  blockIdx = f.ctx.block->idx;
 #if MPF_SIM_TSAN
   __tsan_switch_to_fiber(f.tsan, sync ? 0 : kTsanNoSync);
 #else
@@ -318,9 +332,10 @@ void to_fiber(Fiber& f, bool sync) {
   s.current = nullptr;
 }
 
-// After a trap: threads not yet started never start; the others are unwound at their next barrier.
-void stop_block(BlockState& b, const std::vector<bool>& started) {
-  for (unsigned t = 0; t < b.nthreads; ++t) {
+// After a trap: threads not yet started never start; the others are unwound at their next barrier (every thread
+// of the cluster's blocks, fibers [0, n)).
+void stop_block(unsigned n, const std::vector<bool>& started) {
+  for (unsigned t = 0; t < n; ++t) {
     Fiber& f = *sched().fibers[t];
     if (f.state == Fiber::kDone) continue;
     if (!started[t]) {
@@ -412,6 +427,7 @@ void leave(Barrier& b) {
     cp_async_wait(0);
     leave(b.warps[f.ctx.linear / 32]);
     leave(b.bar);
+    --b.live;
     f.state = Fiber::kDone;
 #if MPF_SIM_TSAN
     __tsan_release(&block_end);
@@ -629,8 +645,8 @@ void cp_async_wait(int pending) {
 // ---- mbarriers and TMA copies -----------------------------------------------------------------------------------
 namespace {
 
-MBar& mbar_at(uint32_t bar, const char* what, bool init = false) {
-  BlockState& b = *tctx->block;
+// The mbarrier at shared address bar of block b (the caller's, or another block of its cluster).
+MBar& mbar_at_in(BlockState& b, uint32_t bar, const char* what, bool init = false) {
   if (bar % 8 != 0) trap(std::string(what) + ": mbarrier address not 8-byte aligned");
   if (bar < kSharedWindowStart || bar - kSharedWindowStart + 8 > b.dynamic_bytes)
     trap(std::string(what) + ": mbarrier outside the block's dynamic shared memory");
@@ -642,6 +658,17 @@ MBar& mbar_at(uint32_t bar, const char* what, bool init = false) {
   MBar& m = t.bars[t.used++];
   m.addr = bar;
   return m;
+}
+
+MBar& mbar_at(uint32_t bar, const char* what, bool init = false) { return mbar_at_in(*tctx->block, bar, what, init); }
+
+// Block `rank` of the caller's cluster, which must not have exited.
+BlockState& cluster_block(uint32_t rank, const char* what) {
+  ClusterState& cl = *tctx->block->cluster;
+  if (rank >= cl.blocks.size()) trap(std::string(what) + ": a rank outside the cluster");
+  BlockState& b = *cl.blocks[rank];
+  if (b.live == 0) trap(std::string(what) + ": a block of the cluster that has exited (its shared memory is gone)");
+  return b;
 }
 
 bool phase_ready(const MBar& m) { return m.count != 0 && m.pending == 0 && m.tx_issued == m.tx_expect; }
@@ -700,8 +727,8 @@ void mbar_init(uint32_t bar, uint32_t count) {
 
 void fence_mbarrier_init() {}
 
-void mbar_arrive(uint32_t bar, bool expect_tx, uint32_t bytes) {
-  MBar& m = mbar_at(bar, "mbarrier.arrive");
+namespace {
+void arrive_on(MBar& m, bool expect_tx, uint32_t bytes) {
   if (phase_ready(m)) complete_phase(m);  // a completed phase whose copies nobody waited for yet
   if (m.pending == 0) trap("mbarrier.arrive: more arrivals than its count in one phase");
   if (expect_tx) m.tx_expect += bytes;
@@ -710,6 +737,14 @@ void mbar_arrive(uint32_t bar, bool expect_tx, uint32_t bytes) {
   __tsan_release(&m.sync);
 #endif
   progress(m);
+}
+}  // namespace
+
+void mbar_arrive(uint32_t bar, bool expect_tx, uint32_t bytes) { arrive_on(mbar_at(bar, "mbarrier.arrive"), expect_tx, bytes); }
+
+void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  const char* what = "mbarrier.arrive.shared::cluster";
+  arrive_on(mbar_at_in(cluster_block(rank, what), bar, what), false, 0);
 }
 
 bool mbar_try_wait_parity(uint32_t bar, uint32_t parity) {
@@ -738,7 +773,9 @@ bool mbar_try_wait_parity(uint32_t bar, uint32_t parity) {
   }
 }
 
-void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
+namespace {
+// One TMA copy into block b's shared memory at dst, completing on b's mbarrier at bar.
+void tma_copy_to(BlockState& b, uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
   SimTensorMap t;
   std::memcpy(&t, map, sizeof t);
   if (t.magic != kTensorMapMagic) trap("cp.async.bulk.tensor: not a tensor map from cuTensorMapEncodeTiled");
@@ -748,11 +785,10 @@ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t
   if (dst % 1024 != 0)
     trap("cp.async.bulk.tensor: a 128-byte-swizzled destination not 1024-byte aligned");
   const size_t bytes = size_t{t.box[0]} * t.box[1] * t.box[2] * t.elem_bytes;
-  BlockState& b = *tctx->block;
   if (dst < kSharedWindowStart || dst - kSharedWindowStart + bytes > b.dynamic_bytes)
     trap("cp.async.bulk.tensor: destination outside the block's dynamic shared memory");
   unsigned char* d = b.dynamic_base + (dst - kSharedWindowStart);
-  MBar& m = mbar_at(bar, "cp.async.bulk.tensor");
+  MBar& m = mbar_at_in(b, bar, "cp.async.bulk.tensor");
   if (phase_ready(m)) complete_phase(m);
   if (m.num_copies == 16) trap("cp.async.bulk.tensor: more than 16 copies on one mbarrier phase (the simulator's limit)");
   TmaBox box{t.base, {t.dims[0], t.dims[1], t.dims[2]}, {t.elem_bytes, t.strides[1], t.strides[2]},
@@ -764,6 +800,33 @@ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t
   __tsan_release(&m.sync);
 #endif
   progress(m);
+}
+}  // namespace
+
+void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
+  tma_copy_to(*tctx->block, dst, map, c0, c1, c2, bar);
+}
+
+void tma_load_3d_multicast(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar, uint16_t mask) {
+  const char* what = "cp.async.bulk.tensor.multicast::cluster";
+  if (mask == 0) trap(std::string(what) + ": an empty CTA mask");
+  for (uint32_t r = 0; r < 16; ++r)
+    if ((mask >> r) & 1u) tma_copy_to(cluster_block(r, what), dst, map, c0, c1, c2, bar);
+}
+
+unsigned cluster_rank() { return tctx->block->rank; }
+
+void cluster_arrive() {
+  Fiber& f = *tctx->fiber;
+  if (f.cluster_arrived) trap("barrier.cluster.arrive twice without a wait between");
+  f.cluster_arrived = true;
+}
+
+void cluster_wait() {
+  Fiber& f = *tctx->fiber;
+  if (!f.cluster_arrived) trap("barrier.cluster.wait without an arrive before it");
+  f.cluster_arrived = false;
+  arrive_and_wait(tctx->block->cluster->bar, 0);
 }
 
 void setmaxnreg(unsigned regs) {
@@ -777,6 +840,7 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
   auto refuse = [](cudaError_t e, const std::string& why) {
     if (std::getenv("MPF_SIM_VERBOSE")) std::fprintf(stderr, "cuda-sim: launch refused: %s\n", why.c_str());
     last_error = e;
+    launch_status = e;
   };
   if (sched().current) trap("a kernel launched from a kernel");
   if (s.grid.x == 0 || s.grid.y == 0 || s.grid.z == 0 || s.grid.x > 0x7fffffffu || s.grid.y > cfg.max_grid_y || s.grid.z > cfg.max_grid_y)
@@ -791,51 +855,78 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
   const size_t param_limit = cfg.driver_version >= 12010 ? 32764 : 4096;
   if (s.param_bytes > param_limit) return refuse(cudaErrorInvalidValue, "kernel arguments over the driver's limit");
 
+  const unsigned csize = s.cluster.x * s.cluster.y * s.cluster.z;
+  if (csize == 0 || csize > 8 || s.grid.x % s.cluster.x != 0 || s.grid.y % s.cluster.y != 0 || s.grid.z % s.cluster.z != 0)
+    return refuse(cudaErrorInvalidConfiguration, "cluster dimensions that do not divide the grid, or more than 8 blocks");
+  if (threads * csize > 1024) return refuse(cudaErrorInvalidConfiguration, "more than 1024 threads in a cluster (the simulator's limit)");
+
   Scheduler& sc = sched();
 #if MPF_SIM_TSAN
   if (!sc.tsan) sc.tsan = __tsan_get_current_fiber();
 #endif
   ++stats().launches;
   stats().last_dynamic_smem = s.dynamic_smem;
+  launch_status = cudaSuccess;
   const uint64_t nblocks = uint64_t{s.grid.x} * s.grid.y * s.grid.z;
-  std::vector<uint64_t> order(nblocks);
+  const uint64_t nclusters = nblocks / csize;
+  std::vector<uint64_t> order(nclusters);
   std::iota(order.begin(), order.end(), uint64_t{0});
   if (cfg.shuffle_blocks) std::shuffle(order.begin(), order.end(), std::mt19937_64(static_cast<uint64_t>(stats().launches)));
 
+  // Each block of a cluster has shared memory of its own.
   const size_t smem_total = std::max(cfg.smem_optin_limit, size_t{64 * 1024});
-  std::unique_ptr<unsigned char[]> smem(new unsigned char[smem_total + 256]);
-  unsigned char* base = smem.get() + (256 - reinterpret_cast<uintptr_t>(smem.get()) % 256);
+  const size_t arena = smem_total + 256;
+  std::unique_ptr<unsigned char[]> smem(new unsigned char[arena * csize]);
+  auto base_of = [&](unsigned r) {
+    unsigned char* a = smem.get() + arena * r;
+    return a + (256 - reinterpret_cast<uintptr_t>(a) % 256) % 256;
+  };
   const unsigned nthreads = static_cast<unsigned>(threads);
-  while (sc.fibers.size() < nthreads) sc.fibers.emplace_back(new Fiber());
+  const unsigned nfibers = nthreads * csize;
+  while (sc.fibers.size() < nfibers) sc.fibers.emplace_back(new Fiber());
   blockDim = s.block;
   gridDim = s.grid;
+  const uint64_t gcx = s.grid.x / s.cluster.x, gcy = s.grid.y / s.cluster.y;
 
-  for (uint64_t linear_block : order) {
-    BlockState b;
-    b.nthreads = nthreads;
-    b.mbars.reset(new MBarTable());
-    b.bar.expected = nthreads;
-    const unsigned nwarps = (nthreads + 31) / 32;
-    b.warps.resize(nwarps);
-    for (unsigned w = 0; w < nwarps; ++w) b.warps[w].expected = std::min(32u, nthreads - 32 * w);
-    smem_poison(base, smem_total);
-    smem_unpoison(base, s.dynamic_smem);
-    std::memset(base, 0xff, s.dynamic_smem);  // as static slots are when allocated: NaN, -1 or an invalid bool
-    b.dynamic_base = base;
-    b.dynamic_bytes = s.dynamic_smem;
-    const size_t static_at = (s.dynamic_smem + 64 + 127) / 128 * 128;  // a poisoned gap after the dynamic part
-    b.static_base = base + static_at;
-    b.static_limit = std::min(cfg.static_smem_limit, cfg.smem_optin_limit - std::min(cfg.smem_optin_limit, static_at));
-    blockIdx = uint3{static_cast<unsigned>(linear_block % s.grid.x), static_cast<unsigned>(linear_block / s.grid.x % s.grid.y),
-                     static_cast<unsigned>(linear_block / (uint64_t{s.grid.x} * s.grid.y))};
-    ++stats().blocks;
+  for (uint64_t linear_cluster : order) {
+    ClusterState cl;
+    cl.bar.expected = nfibers;
+    std::vector<BlockState> blocks(csize);
+    const uint3 corner{static_cast<unsigned>(linear_cluster % gcx * s.cluster.x),
+                       static_cast<unsigned>(linear_cluster / gcx % gcy * s.cluster.y),
+                       static_cast<unsigned>(linear_cluster / (gcx * gcy) * s.cluster.z)};
+    for (unsigned r = 0; r < csize; ++r) {
+      BlockState& b = blocks[r];
+      unsigned char* base = base_of(r);
+      b.nthreads = nthreads;
+      b.idx = uint3{corner.x + r % s.cluster.x, corner.y + r / s.cluster.x % s.cluster.y,
+                    corner.z + r / (s.cluster.x * s.cluster.y)};
+      b.rank = r;
+      b.cluster = &cl;
+      b.live = nthreads;
+      b.mbars.reset(new MBarTable());
+      b.bar.expected = nthreads;
+      const unsigned nwarps = (nthreads + 31) / 32;
+      b.warps.resize(nwarps);
+      for (unsigned w = 0; w < nwarps; ++w) b.warps[w].expected = std::min(32u, nthreads - 32 * w);
+      smem_poison(base, smem_total);
+      smem_unpoison(base, s.dynamic_smem);
+      std::memset(base, 0xff, s.dynamic_smem);  // as static slots are when allocated: NaN, -1 or an invalid bool
+      b.dynamic_base = base;
+      b.dynamic_bytes = s.dynamic_smem;
+      const size_t static_at = (s.dynamic_smem + 64 + 127) / 128 * 128;  // a poisoned gap after the dynamic part
+      b.static_base = base + static_at;
+      b.static_limit = std::min(cfg.static_smem_limit, cfg.smem_optin_limit - std::min(cfg.smem_optin_limit, static_at));
+      cl.blocks.push_back(&b);
+      ++stats().blocks;
+    }
     sc.body = &body;
-    sc.block = &b;
-    for (unsigned t = 0; t < nthreads; ++t) {
-      Fiber& f = *sc.fibers[t];
+    for (unsigned i = 0; i < nfibers; ++i) {
+      Fiber& f = *sc.fibers[i];
+      const unsigned t = i % nthreads;
       f.state = Fiber::kReady;
       f.abort = false;
-      f.ctx = ThreadCtx{&b, &f, t};
+      f.ctx = ThreadCtx{&blocks[i / nthreads], &f, t};
       f.tid = uint3{t % s.block.x, t / s.block.x % s.block.y, t / (s.block.x * s.block.y)};
       f.cp_pending.clear();
       f.cp_groups.clear();
@@ -845,28 +936,48 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       f.wg_seq = 0;
       f.wg_fenced = false;
       f.proxy_dirty = false;
+      f.cluster_arrived = false;
     }
-    // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next block
-    // (counted over all launches, so that one-block launches take both orders too).
+    auto any_trapped = [&] {
+      for (const BlockState& b : blocks)
+        if (b.trapped) return true;
+      return false;
+    };
+    // Each thread runs until it waits at a barrier or ends, in thread order, then in reverse in the next cluster
+    // (counted over all launches, so that one-block launches take both orders too). In every other launch with
+    // clusters, a block's threads run until none of them can before the next block's do: one block of a cluster
+    // gets as far ahead of the others as its synchronisation allows (and may exit while they still run).
     const bool reverse = (stats().blocks & 1) == 0;
-    std::vector<bool> started(nthreads, false);
+    const bool by_block = csize > 1 && (stats().launches & 1) != 0;
+    std::vector<bool> started(nfibers, false);
+    auto run_ready = [&](unsigned first, unsigned count) {  // one sweep over fibers [first, first + count)
+      bool ran = false;
+      for (unsigned i = 0; i < count; ++i) {
+        Fiber& f = *sc.fibers[first + (reverse ? count - 1 - i : i)];
+        if (f.state != Fiber::kReady) continue;
+        const unsigned at = static_cast<unsigned>(f.ctx.block - blocks.data()) * nthreads + f.ctx.linear;
+        to_fiber(f, !started[at]);
+        started[at] = true;
+        ran = true;
+        if (any_trapped()) stop_block(nfibers, started);  // a trap ends the whole grid: no thread goes on
+      }
+      return ran;
+    };
     for (;;) {
       bool ran = false, waiting = false;
-      for (unsigned i = 0; i < nthreads; ++i) {
-        Fiber& f = *sc.fibers[reverse ? nthreads - 1 - i : i];
-        if (f.state == Fiber::kReady) {
-          const unsigned t = f.ctx.linear;
-          to_fiber(f, !started[t]);
-          started[t] = true;
-          ran = true;
-          if (b.trapped) stop_block(b, started);  // a trap ends the whole grid: no thread goes on
+      if (by_block) {
+        for (unsigned rb = 0; rb < csize; ++rb) {
+          const unsigned r = reverse ? csize - 1 - rb : rb;
+          while (run_ready(r * nthreads, nthreads)) ran = true;
         }
-        waiting = waiting || f.state == Fiber::kWaiting;
+      } else {
+        ran = run_ready(0, nfibers);
       }
+      for (unsigned i = 0; i < nfibers; ++i) waiting = waiting || sc.fibers[i]->state == Fiber::kWaiting;
       if (ran) continue;
       if (!waiting) break;
       // Nothing can run and some threads wait: unwind them with a trap.
-      for (unsigned i = 0; i < nthreads; ++i) {
+      for (unsigned i = 0; i < nfibers; ++i) {
         Fiber& f = *sc.fibers[i];
         if (f.state == Fiber::kWaiting) {
           f.abort = true;
@@ -875,26 +986,30 @@ void run(const LaunchShape& s, const std::function<void()>& body) {
       }
     }
     sc.body = nullptr;
-    sc.block = nullptr;
 #if MPF_SIM_TSAN
     __tsan_acquire(&block_end);
 #endif
-    for (const auto& [key, issue] : b.wg_issued)
-      if (!b.trapped && issue.threads != 128) {
-        b.trapped = true;
-        b.trap_message = "wgmma: " + std::to_string(issue.threads) + " of warpgroup " + std::to_string(key.first) +
-                         "'s 128 threads issued its wgmma.mma_async number " + std::to_string(key.second) +
-                         " (a warpgroup-wide instruction)";
+    for (BlockState& b : blocks) {
+      for (const auto& [key, issue] : b.wg_issued)
+        if (!b.trapped && issue.threads != 128) {
+          b.trapped = true;
+          b.trap_message = "wgmma: " + std::to_string(issue.threads) + " of warpgroup " + std::to_string(key.first) +
+                           "'s 128 threads issued its wgmma.mma_async number " + std::to_string(key.second) +
+                           " (a warpgroup-wide instruction)";
+        }
+      if (b.trapped) {
+        std::fprintf(stderr, "cuda-sim: block (%u, %u, %u) trapped: %s\n", b.idx.x, b.idx.y, b.idx.z, b.trap_message.c_str());
+        last_error = cudaErrorLaunchFailure;
+        launch_status = cudaErrorLaunchFailure;
+        for (unsigned r = 0; r < csize; ++r) smem_unpoison(base_of(r), smem_total);
+        return;
       }
-    if (b.trapped) {
-      std::fprintf(stderr, "cuda-sim: block (%u, %u, %u) trapped: %s\n", blockIdx.x, blockIdx.y, blockIdx.z, b.trap_message.c_str());
-      last_error = cudaErrorLaunchFailure;
-      smem_unpoison(base, smem_total);
-      return;
     }
   }
-  smem_unpoison(base, smem_total);
+  for (unsigned r = 0; r < csize; ++r) smem_unpoison(base_of(r), smem_total);
 }
+
+int last_launch_status() { return launch_status; }
 
 }  // namespace mpf_sim
 

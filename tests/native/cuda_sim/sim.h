@@ -144,6 +144,7 @@ struct LaunchShape {
   size_t dynamic_smem;
   size_t param_bytes;
   const void* kernel;
+  dim3 cluster;  // thread block clusters (cudaLaunchKernelEx's attribute): their blocks run together
 };
 // Checks the shape; runs body(linear thread index) for every thread of every block. False (with the
 // thread's last CUDA error set) when the launch is refused or trapped.
@@ -174,10 +175,14 @@ struct Launcher {
 };
 
 template <class... P>
-Launcher<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t dynamic_smem = 0, void* stream = nullptr) {
+Launcher<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t dynamic_smem = 0, void* stream = nullptr,
+                      dim3 cluster = dim3(1, 1, 1)) {
   (void)stream;
-  return Launcher<P...>{kernel, LaunchShape{grid, block, dynamic_smem, param_bytes<P...>(), reinterpret_cast<const void*>(kernel)}};
+  return Launcher<P...>{kernel, LaunchShape{grid, block, dynamic_smem, param_bytes<P...>(), reinterpret_cast<const void*>(kernel),
+                                            cluster}};
 }
+// The outcome of the last launch that ran (cudaLaunchKernelEx returns it).
+int last_launch_status();
 
 size_t& func_max_dynamic_smem(const void* kernel);
 
@@ -227,6 +232,19 @@ bool mbar_try_wait_parity(uint32_t bar, uint32_t parity);
 void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar);
 // setmaxnreg: no registers to move here; checks that the block is made of whole warpgroups.
 void setmaxnreg(unsigned regs);
+// ---- thread block clusters: the blocks of a cluster run together, each with its own shared memory ----
+// This block's rank in its cluster (x fastest); 0 without clusters.
+unsigned cluster_rank();
+// barrier.cluster: an arrival (release), then a wait (acquire) for every thread of the cluster's blocks. A thread
+// that has exited never arrives: threads waiting for it are reported as a deadlock.
+void cluster_arrive();
+void cluster_wait();
+// mapa + mbarrier.arrive.shared::cluster: one arrival on the mbarrier at shared address bar of the cluster's block
+// `rank` (traps where that block has exited: its shared memory is gone).
+void mbar_arrive_cluster(uint32_t bar, uint32_t rank);
+// tma_load_3d's copy into shared address dst of every block of the cluster whose rank is a bit of `mask`, completing
+// on each one's mbarrier at bar.
+void tma_load_3d_multicast(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar, uint16_t mask);
 // sim_land.cpp: a TMA copy's garbage, and its landing (global reads and shared writes as the calling thread's).
 struct TmaBox {
   const unsigned char* base;
@@ -242,6 +260,7 @@ void land_poison(unsigned char* dst, size_t bytes);
 
 // ---- device functions ---------------------------------------------------------------------------------------
 inline void __syncthreads() { mpf_sim::sync_block(); }
+inline unsigned __clusterRelativeBlockRank() { return mpf_sim::cluster_rank(); }
 inline int __syncthreads_or(int v) { return static_cast<int>(mpf_sim::sync_block_or(v != 0 ? 1u : 0u)); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { mpf_sim::sync_warp(mask); }
 // Blocks run in turn, so a fence orders nothing the simulator does not already order (ThreadSanitizer does not
@@ -443,6 +462,46 @@ struct cudaFuncAttributes {
   int ptxVersion;
   int binaryVersion;
 };
+
+// cudaLaunchKernelEx with a cluster dimension attribute (the only one simulated).
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
+union cudaLaunchAttributeValue {
+  char pad[64];
+  struct {
+    unsigned int x, y, z;
+  } clusterDim;
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  char pad[8 - sizeof(cudaLaunchAttributeID)];
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim;
+  dim3 blockDim;
+  size_t dynamicSmemBytes;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned int numAttrs;
+};
+inline dim3 sim_cluster_of(const cudaLaunchConfig_t* c) {
+  for (unsigned i = 0; i < c->numAttrs; ++i)
+    if (c->attrs[i].id == cudaLaunchAttributeClusterDimension)
+      return dim3(c->attrs[i].val.clusterDim.x, c->attrs[i].val.clusterDim.y, c->attrs[i].val.clusterDim.z);
+  return dim3(1, 1, 1);
+}
+template <class... P, class... A>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(P...), A&&... args) {
+  mpf_sim::launch(kernel, c->gridDim, c->blockDim, c->dynamicSmemBytes, c->stream, sim_cluster_of(c))(std::forward<A>(args)...);
+  return static_cast<cudaError_t>(mpf_sim::last_launch_status());
+}
+// The clusters that fit at once: one block per SM (the simulated device's `sms`), whole clusters.
+template <class... P>
+cudaError_t cudaOccupancyMaxActiveClusters(int* clusters, void (*)(P...), const cudaLaunchConfig_t* c) {
+  const dim3 d = sim_cluster_of(c);
+  *clusters = mpf_sim::config().sms / static_cast<int>(d.x * d.y * d.z);
+  return cudaSuccess;
+}
 
 const char* cudaGetErrorString(cudaError_t e);
 cudaError_t cudaGetLastError();

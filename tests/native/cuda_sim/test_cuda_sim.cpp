@@ -887,6 +887,24 @@ void test_gemm(std::mt19937& rng) {
   CHECK(gemm_unsupported(DType::kBFloat16, 0).empty(), "BF16 runs on sm_90: %s", gemm_unsupported(DType::kBFloat16, 0).c_str());
 }
 
+// Every layout and dtype of the Hopper kernel: tails in M (136 of 2 x 128), N (264 of 2 x 256) and K (72: a partial
+// second tile of 64), every leading dimension a whole number of 16-byte vectors; then more K tiles than stages (300:
+// 5), batches, with leading dimensions of whole vectors over sizes that are not (fewer of those at the small scale).
+std::vector<GemmCase> hopper_layout_cases(bool small) {
+  const Activation acts[] = {Activation::kNone, Activation::kRelu, Activation::kGelu, Activation::kGeluErf};
+  std::vector<GemmCase> cases;
+  int i = 0;
+  for (bool ac : {false, true})
+    for (bool bc : {false, true})
+      for (DType in : {DType::kFloat16, DType::kBFloat16}) {
+        cases.push_back({1, 136, 264, 72, ac, bc, 0, in, kDtypes[i % 3], i % 2 == 0, i % 3 == 0, i % 4 == 1, acts[i % 4], false});
+        if (!small || i % 3 == 0)
+          cases.push_back({2, 37, 29, 300, ac, bc, -1, in, kDtypes[(i + 1) % 3], true, true, true, acts[(i + 1) % 4], i % 2 == 0});
+        ++i;
+      }
+  return cases;
+}
+
 // The Hopper kernel (MPFUSED_GEMM_KERNEL=wgmma on a compute capability 9.0 device, 16-byte aligned operands): its
 // tiles, swizzled copies and descriptors through the simulator's wgmma, against the CPU bit for bit.
 void test_gemm_wgmma(std::mt19937& rng) {
@@ -917,20 +935,7 @@ void test_gemm_wgmma(std::mt19937& rng) {
   cfg.cc_major = 9;
 
   const bool small = small_scale();
-  std::vector<GemmCase> cases;
-  const Activation acts[] = {Activation::kNone, Activation::kRelu, Activation::kGelu, Activation::kGeluErf};
-  int i = 0;
-  for (bool ac : {false, true})
-    for (bool bc : {false, true})
-      for (DType in : {DType::kFloat16, DType::kBFloat16}) {
-        // Tails in M (136 of 2 x 128), N (264 of 2 x 256) and K (72: a partial second tile of 64), every leading
-        // dimension a whole number of 16-byte vectors; then more K tiles than stages (300: 5), with leading
-        // dimensions of whole vectors over sizes that are not.
-        cases.push_back({1, 136, 264, 72, ac, bc, 0, in, kDtypes[i % 3], i % 2 == 0, i % 3 == 0, i % 4 == 1, acts[i % 4], false});
-        if (!small || i % 3 == 0)
-          cases.push_back({2, 37, 29, 300, ac, bc, -1, in, kDtypes[(i + 1) % 3], true, true, true, acts[(i + 1) % 4], i % 2 == 0});
-        ++i;
-      }
+  std::vector<GemmCase> cases = hopper_layout_cases(small);
   cases.push_back({1, 5, 8, 0, false, false, 0, DType::kFloat16, DType::kFloat32, true, true, false, Activation::kNone, false});
   if (!small)  // the block swizzle: more than kGemmGroupM tile rows
     cases.push_back({1, 1104, 264, 16, true, false, 0, DType::kFloat16, DType::kFloat32, false, false, false, Activation::kNone, false});
@@ -974,6 +979,60 @@ void test_gemm_wgmma(std::mt19937& rng) {
   // Misaligned operands take the WMMA kernel's element path.
   gemm_case({1, 33, 40, 24, false, false, 3, DType::kFloat16, DType::kFloat16, true, false, true, Activation::kNone, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "misaligned operands: the WMMA kernel");
+}
+// The Hopper kernel in clusters of two CTAs along M (MPFUSED_GEMM_KERNEL=wgmma-cluster): each copies half of B's tile
+// into both CTAs' shared memory (multicast), releases each stage on both CTAs' mbarriers, and meets its peer at
+// cluster barriers; the two blocks of a cluster run together in the simulator, each with its own shared memory.
+void test_gemm_wgmma_cluster(std::mt19937& rng) {
+  struct Env {
+    explicit Env(const char* v) { setenv("MPFUSED_GEMM_KERNEL", v, 1); }
+    ~Env() { unsetenv("MPFUSED_GEMM_KERNEL"); }
+  };
+  Env e("wgmma-cluster");
+  CHECK(gemm_sm90_selected(true, 0) && !gemm_sm90_selected(false, 0), "wgmma-cluster: aligned operands only");
+  mpf_sim::Config& cfg = mpf_sim::config();
+  const bool small = small_scale();
+  // hopper_layout_cases: in clusters, 2 tile rows (one pair), then one tile row (the second CTA copies the first's A
+  // tile and stores nothing).
+  std::vector<GemmCase> cases = hopper_layout_cases(small);
+  // 3 tile rows: a pair, then a CTA with work and one without.
+  cases.push_back({1, 304, 264, 136, true, false, 0, DType::kFloat16, DType::kFloat32, false, true, false, Activation::kNone, false});
+  for (const GemmCase& gc : cases) {
+    const long blocks = mpf_sim::stats().blocks;
+    gemm_case(gc, rng);
+    const long work = gc.batch * ((gc.m + 255) / 256) * ((gc.n + 255) / 256);
+    CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024 && mpf_sim::stats().blocks - blocks == 2 * std::min<long>(work, cfg.sms / 2),
+          "%lldx%lldx%lld: the cluster kernel ran, 2 blocks a cluster (%ld blocks for %ld work items on %d SMs)",
+          static_cast<long long>(gc.m), static_cast<long long>(gc.n), static_cast<long long>(gc.k),
+          mpf_sim::stats().blocks - blocks, work, cfg.sms);
+  }
+  // Persistent clusters: 3 of them (6 SMs) over 5 batches of 2 x 2 pairs of tiles and K tails (the phases run on from
+  // one work item to the next on both CTAs), then more SMs than work.
+  // (At the small scale, under ThreadSanitizer: 3 batches of 264 x 264, 3 K steps: a pair and a CTA without work.)
+  const int sms = cfg.sms;
+  const std::vector<GemmCase> persistent =
+      small ? std::vector<GemmCase>{GemmCase{3, 264, 264, 136, false, true, -1, DType::kFloat16, DType::kFloat16, true, true,
+                                             false, Activation::kRelu, false}}
+            : std::vector<GemmCase>{GemmCase{5, 520, 264, 300, false, false, -1, DType::kFloat16, DType::kFloat16, true, true,
+                                             false, Activation::kRelu, false},
+                                    GemmCase{3, 136, 520, 72, true, true, 0, DType::kBFloat16, DType::kFloat32, false, true, true,
+                                             Activation::kGelu, true}};
+  for (const int n_sms : {6, 64}) {
+    if (small && n_sms != 6) continue;
+    cfg.sms = n_sms;
+    for (const GemmCase& gc : persistent) {
+      const long blocks = mpf_sim::stats().blocks;
+      gemm_case(gc, rng);
+      const long work = gc.batch * ((gc.m + 255) / 256) * ((gc.n + 255) / 256);
+      CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024 && mpf_sim::stats().blocks - blocks == 2 * std::min<long>(work, n_sms / 2),
+            "persistent clusters: %ld work items on %d SMs: %ld blocks", work, n_sms, mpf_sim::stats().blocks - blocks);
+    }
+  }
+  // A device with one SM holds no cluster of two: the WMMA kernel runs.
+  cfg.sms = 1;
+  gemm_case({1, 136, 264, 72, false, true, 0, DType::kFloat16, DType::kFloat32, true, false, false, Activation::kNone, false}, rng);
+  CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "no cluster fits: the WMMA kernel");
+  cfg.sms = sms;
 }
 
 // ---- the simulator's own checks ------------------------------------------------------------------------------------
@@ -1124,6 +1183,7 @@ int main(int argc, char** argv) {
   part("optim", test_optim);
   part("gemm", test_gemm);
   if (!sm75) part("gemm_wgmma", test_gemm_wgmma);
+  if (!sm75) part("gemm_wgmma_cluster", test_gemm_wgmma_cluster);
   if (only == "old_driver") part("old_driver", test_old_driver);
   if (only == "race") part("race", test_race);
   if (only == "smem_oob") part("smem_oob", test_smem_oob);
