@@ -425,6 +425,31 @@ def test_sgd_without_momentum_keeps_no_state(which):
     assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sgd_nesterov_rule_is_checked_at_construction_only_as_torch_does(device):
+    """A momentum schedule that reaches 0 under nesterov=True (torch's step is then plain SGD), a dampening set
+    mid-run and a group added with Nesterov but no momentum: torch.optim.SGD steps through all of them (its rule
+    holds for the constructor's defaults only), and so does FusedSGD, with the same values."""
+    a, b = make_params(device=device), make_params(device=device)
+    opt_a = FusedSGD(a[:2], lr=0.1, momentum=0.9, nesterov=True)
+    opt_b = torch.optim.SGD(b[:2], lr=0.1, momentum=0.9, nesterov=True, foreach=False)
+    opt_a.add_param_group(dict(params=a[2:], momentum=0.0))
+    opt_b.add_param_group(dict(params=b[2:], momentum=0.0))
+    g = torch.Generator().manual_seed(3)
+    for momentum, dampening in [(0.9, 0.0), (0.5, 0.0), (0.0, 0.0), (0.0, 0.0), (0.9, 0.25), (0.9, 0.0)]:
+        for opt in (opt_a, opt_b):
+            opt.param_groups[0]["momentum"], opt.param_groups[0]["dampening"] = momentum, dampening
+        for pa, pb in zip(a, b):
+            grad = torch.randn(pa.shape, generator=g).to(device)
+            pa.grad, pb.grad = grad.clone(), grad.clone()
+        opt_a.step()
+        opt_b.step()
+        for pa, pb in zip(a, b):
+            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="^Nesterov momentum requires a momentum and zero dampening$"):
+        FusedSGD(make_params(), lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+
+
 @pytest.mark.parametrize("saved", [0, 1])
 def test_adamw_stays_adamw_after_loading_an_adam_state_dict(saved):
     p, q = make_params(), make_params()

@@ -404,6 +404,7 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
 // core/gemm.h's epilogue to 8 consecutive outputs of a row at a time, as the WMMA kernel does, and stores them
 // with 128-bit stores where it can.
 constexpr int kSm90BlockM = 128, kSm90BlockN = 256, kSm90BlockK = 64;
+static_assert(kSm90BlockM == 128, "gemm_cuda pairs tile rows of 128 (clusters only where M > 128)");
 constexpr int kSm90Stages = 4;
 constexpr int kSm90Consumers = 2;                                       // warpgroups of MMAs, 64 rows each
 constexpr int kSm90Threads = 128 * (1 + kSm90Consumers);                // the producer warpgroup first
@@ -752,7 +753,10 @@ bool launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t stream
     config.attrs = cluster;
     config.numAttrs = 1;
     int clusters = 0;
-    cuda_check(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "gemm: cluster occupancy query");
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {  // e.g. no cluster launch here
+      (void)cudaGetLastError();  // this call's error, not sticky: clear it
+      clusters = 0;
+    }
     if (clusters <= 0) return false;
     const int64_t n = work < clusters ? work : clusters;
     config.gridDim = dim3(static_cast<unsigned>(n * kCluster));
@@ -883,9 +887,11 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   const bool bf16 = args.a.dtype == DType::kBFloat16;
   if (gemm_sm90_selected(plan.vector_path, device)) {
     // Where it cannot take the operands (K = 0, a tensor map the driver refuses), the WMMA kernel runs.
-    const bool launched = gemm_kernel_choice() == GemmKernelChoice::kWgmmaCluster
-                              ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
-                                      : dispatch_layout_sm90<__half, 2>(kp, device, stream))
+    // In clusters only where there are two tile rows to pair: with one, the second CTA would only repeat the first's
+    // MMAs.
+    const bool pairs = gemm_kernel_choice() == GemmKernelChoice::kWgmmaCluster && args.m > 128;  // kSm90BlockM
+    const bool launched = pairs ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
+                                        : dispatch_layout_sm90<__half, 2>(kp, device, stream))
                               : (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream)
                                       : dispatch_layout_sm90<__half, 1>(kp, device, stream));
     if (launched) return;

@@ -33,6 +33,10 @@ class FusedSGD(FusedOptimizer):
                         differentiable=differentiable, fused=fused, master_weights=master_weights,
                         rounding=rounding, seed=seed)
         self._check_group(defaults, "")
+        # As torch.optim.SGD does, at construction only: a schedule may later take momentum to 0 (the step is then
+        # plain SGD, Nesterov or not) or a group may set dampening, as torch's step allows.
+        if defaults["nesterov"] and (defaults["momentum"] <= 0 or defaults["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, defaults)
 
     def _check_group(self, group, where, in_step=False) -> None:
@@ -43,8 +47,6 @@ class FusedSGD(FusedOptimizer):
         check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step,
                                read_cpu=read_cpu)
         check_flags(group, ("nesterov", "maximize"), where)
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening" + where)
 
     def state_dict(self) -> dict:
         """A momentum buffer that no step has written yet (``step`` 0: the first steps were skipped) is

@@ -19,10 +19,9 @@ struct SgdPolicy : PolicyBase {
     bool nesterov, maximize;
   };
   static MPF_HD Hyper make(const double* v) { return Hyper{v[0], v[1], v[2], v[3] != 0, v[4] != 0}; }
-  static const char* check(const Hyper& h) {
-    return h.nesterov && (h.momentum <= 0.0 || h.dampening != 0.0) ? "nesterov momentum requires a momentum and zero dampening"
-                                                                   : nullptr;
-  }
+  // No rule between the values at a step: torch.optim.SGD checks Nesterov's (a momentum, no dampening) at
+  // construction only (the Python layer does too), and its step takes any values, Nesterov applying only with a
+  // momentum, as update() does.
 
   enum Flag : int { kWeightDecay = 0, kMomentum = 1, kNesterov = 2 };
   static constexpr int kNumFlags = 3;

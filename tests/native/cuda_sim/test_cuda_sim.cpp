@@ -992,18 +992,20 @@ void test_gemm_wgmma_cluster(std::mt19937& rng) {
   CHECK(gemm_sm90_selected(true, 0) && !gemm_sm90_selected(false, 0), "wgmma-cluster: aligned operands only");
   mpf_sim::Config& cfg = mpf_sim::config();
   const bool small = small_scale();
-  // hopper_layout_cases: in clusters, 2 tile rows (one pair), then one tile row (the second CTA copies the first's A
-  // tile and stores nothing).
+  // hopper_layout_cases: in clusters, 2 tile rows (one pair); then one tile row, which takes the kernel without
+  // clusters (a second CTA would only repeat the first's MMAs).
   std::vector<GemmCase> cases = hopper_layout_cases(small);
-  // 3 tile rows: a pair, then a CTA with work and one without.
+  // 3 tile rows: a pair, then a CTA with work and one without (it copies the first's A tile and stores nothing).
   cases.push_back({1, 304, 264, 136, true, false, 0, DType::kFloat16, DType::kFloat32, false, true, false, Activation::kNone, false});
   for (const GemmCase& gc : cases) {
     const long blocks = mpf_sim::stats().blocks;
     gemm_case(gc, rng);
-    const long work = gc.batch * ((gc.m + 255) / 256) * ((gc.n + 255) / 256);
-    CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024 && mpf_sim::stats().blocks - blocks == 2 * std::min<long>(work, cfg.sms / 2),
-          "%lldx%lldx%lld: the cluster kernel ran, 2 blocks a cluster (%ld blocks for %ld work items on %d SMs)",
-          static_cast<long long>(gc.m), static_cast<long long>(gc.n), static_cast<long long>(gc.k),
+    const bool pairs = gc.m > 128;
+    const long work = gc.batch * ((gc.m + (pairs ? 255 : 127)) / (pairs ? 256 : 128)) * ((gc.n + 255) / 256);
+    const long expected = pairs ? 2 * std::min<long>(work, cfg.sms / 2) : std::min<long>(work, cfg.sms);
+    CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024 && mpf_sim::stats().blocks - blocks == expected,
+          "%lldx%lldx%lld: the Hopper kernel ran, %s (%ld blocks for %ld work items on %d SMs)", static_cast<long long>(gc.m),
+          static_cast<long long>(gc.n), static_cast<long long>(gc.k), pairs ? "2 blocks a cluster" : "without clusters",
           mpf_sim::stats().blocks - blocks, work, cfg.sms);
   }
   // Persistent clusters: 3 of them (6 SMs) over 5 batches of 2 x 2 pairs of tiles and K tails (the phases run on from
