@@ -122,14 +122,19 @@ def step_side_by_side(name, ours_kw, theirs_kw, steps=6, group_extra=None, devic
         opt_a, opt_b = ours_cls(a, **ours_kw), theirs_cls(b, **theirs_kw)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        for pa, pb in zip(a, b):
-            grad = torch.randn(pa.shape, generator=g).to(device)
-            pa.grad, pb.grad = grad.clone(), grad.clone()
-        opt_a.step()
-        opt_b.step()
-        for pa, pb in zip(a, b):
-            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+        step_both_and_compare(opt_a, opt_b, a, b, g, device)
     return opt_a, opt_b
+
+
+def step_both_and_compare(opt_a, opt_b, a, b, gen, device):
+    """The same random grads for params a (ours) and b (torch's), a step of each optimizer, equal params after."""
+    for pa, pb in zip(a, b):
+        grad = torch.randn(pa.shape, generator=gen).to(device)
+        pa.grad, pb.grad = grad.clone(), grad.clone()
+    opt_a.step()
+    opt_b.step()
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("device,config", device_params(CONFIGS, [config_id(c) for c in CONFIGS]))
@@ -439,13 +444,7 @@ def test_sgd_nesterov_rule_is_checked_at_construction_only_as_torch_does(device)
     for momentum, dampening in [(0.9, 0.0), (0.5, 0.0), (0.0, 0.0), (0.0, 0.0), (0.9, 0.25), (0.9, 0.0)]:
         for opt in (opt_a, opt_b):
             opt.param_groups[0]["momentum"], opt.param_groups[0]["dampening"] = momentum, dampening
-        for pa, pb in zip(a, b):
-            grad = torch.randn(pa.shape, generator=g).to(device)
-            pa.grad, pb.grad = grad.clone(), grad.clone()
-        opt_a.step()
-        opt_b.step()
-        for pa, pb in zip(a, b):
-            torch.testing.assert_close(pa, pb, atol=OPTIM_FP32_ATOL, rtol=0)
+        step_both_and_compare(opt_a, opt_b, a, b, g, device)
     with pytest.raises(ValueError, match="^Nesterov momentum requires a momentum and zero dampening$"):
         FusedSGD(make_params(), lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
 
