@@ -321,12 +321,12 @@ class OptimCall:
             sr_offsets = [u64_arg(o, f"sr_offsets[{i}]") for i, o in enumerate(sr_offsets)]
         params = list(params)  # the operator checks every tensor (and says which)
         n = len(params)
-        masters, master_index = _indexed(masters, "masters", n)
-        remainders, remainder_index = _indexed(remainders, "remainders", n)
-        steps, step_index = _indexed(steps, "steps", n)
+        masters, master_index = _indexed(masters, "masters", n, "master_param")
+        remainders, remainder_index = _indexed(remainders, "remainders", n, "master_remainder")
+        steps, step_index = _indexed(steps, "steps", n, "step")
         state_tensors, state_index = [], []
         for name in spec["states"]:
-            given, index = _indexed(states.get(name, ()), name, n)
+            given, index = _indexed(states.get(name, ()), name, n, name)
             if not index:
                 state_index += [-1] * n
             elif len(given) == n:  # every param has it: positions in order
@@ -381,15 +381,21 @@ def optim_step_direct(args: list) -> None:
         ops.optim_step_(*args)
 
 
-def _indexed(tensors, name: str, n: int) -> tuple:
+def _indexed(tensors, name: str, n: int, state_key: str) -> tuple:
     """An optional per-param list (empty, or one tensor or None per param) as the operator takes it: the
     tensors given, and per param its position among them or -1 (both empty when none is given). The
-    operator checks each tensor (this runs on every step: it only rearranges the list)."""
+    operator checks each tensor; what is not a tensor at all is refused here, with the optimizer state key
+    it comes from (``state_key``), where the operator's schema would only name its argument's type."""
     tensors = list(tensors)
     if not tensors:
         return [], []
     if len(tensors) != n:
         raise ValueError(f"{name} must be empty or have one entry per param ({n}), got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] (state['{state_key}'] of param {i} of the step's call) must be a tensor, got "
+                            f"{type(t).__name__} {t!r}: the optimizer keeps it as one, and load_state_dict converts "
+                            "numbers")
     if not any(map(operator.is_, tensors, repeat(None))):
         return tensors, list(range(n))
     given = [t for t in tensors if t is not None]

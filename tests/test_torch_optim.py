@@ -837,3 +837,24 @@ def test_params_with_different_step_counts_in_one_group(name):
     for a, b, c in zip(ours, alone, theirs):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, atol=OPTIM_FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("key,value", [("step", 3), ("step", 2.0), ("exp_avg", [0.0])])
+def test_a_state_entry_that_is_not_a_tensor_is_named_before_anything_is_written(name, key, value):
+    """Code that sets ``state['step']`` (or another state) to a plain number: torch's own step fails too, with an
+    internal message; ours names the state key and the param, before any param or state is written."""
+    if key == "exp_avg" and name != "adamw":
+        key = "momentum_buffer"
+    p = make_params()
+    opt = PAIRS[name][0](p, lr=0.1, **({"momentum": 0.9} if name == "sgd" else {}))
+    fill_grads(p, 0)
+    opt.step()
+    opt.state[p[1]][key] = value
+    before = [t.detach().clone() for t in p]
+    states = {k: v.clone() for k, v in opt.state[p[0]].items() if isinstance(v, torch.Tensor)}
+    fill_grads(p, 1)
+    with pytest.raises(TypeError, match=rf"state\['{key}'\] of param 1 .* must be a tensor, got {type(value).__name__}"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(p, before))
+    assert all(torch.equal(opt.state[p[0]][k], v) for k, v in states.items())

@@ -820,6 +820,14 @@ class FusedOptimizer(Optimizer):
         state = self.state.get(p)
         if state is None:
             state = {}
+        for key in (*self._state_float_keys, "master_remainder", "step"):
+            value = state.get(key)
+            if value is not None and not isinstance(value, torch.Tensor):  # set by code outside the optimizer
+                gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+                pi = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise TypeError(f"state['{key}'] of param {pi} of param group {gi} must be a tensor, got "
+                                f"{type(value).__name__} {value!r}: the optimizer keeps it as one, and load_state_dict "
+                                "converts numbers")
         if not state:
             self._init_state(group, p, state)
         remainder = state.get("master_remainder")
