@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import operator
 from itertools import repeat
 from typing import Optional, Sequence
@@ -92,11 +93,30 @@ def _tensor_list(tensors, name: str) -> list:
     return out
 
 
+def _tracing_types() -> tuple:
+    """torch's own tracing tensors: FakeTensor (torch.export, FakeTensorMode, make_fx's fake and symbolic
+    modes) and FunctionalTensor (functionalization). They override ``__torch_dispatch__`` too, but an
+    operator called on them runs its fake kernel, which is what tracing needs."""
+    global _TRACING_TYPES
+    if _TRACING_TYPES is None:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        _TRACING_TYPES = (FakeTensor, FunctionalTensor)
+    return _TRACING_TYPES
+
+
+_TRACING_TYPES = None
+
+
 def intercepts_dispatch(t) -> bool:
     """Whether ``t`` is a tensor subclass that overrides ``__torch_dispatch__`` (DTensor, wrapper subclasses):
     such a tensor takes an operator through its own dispatch, so the kernels never see its memory. A plain
-    subclass (``class T(torch.Tensor)``, Parameter) does not."""
-    return isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    subclass (``class T(torch.Tensor)``, Parameter) does not, and neither do torch's tracing tensors
+    (_tracing_types): with them the operators trace as they are, fused (before, torch.export's default
+    non-strict mode saw gemm and round_stochastic refuse its FakeTensors, and FusedLinear export as
+    F.linear + the activation, which rounds twice)."""
+    return (isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+            and not isinstance(t, _tracing_types()))
 
 
 def _plain(t, name: str, optional: bool = False):
@@ -422,8 +442,9 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
 
 
 def _number(x, name: str) -> float:
-    # A Python number only: float() of a CUDA tensor would synchronise the host with the device.
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    # A real number only (a Python int or float, numpy's float32 ...): float() of a CUDA tensor would
+    # synchronise the host with the device.
+    if isinstance(x, (bool, torch.Tensor)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a Python int or float, got {type(x).__name__}")
     return float(x)
 
@@ -456,10 +477,19 @@ _U64 = 1 << 64
 
 def check_u64(value, name: str, *, numel: int = 0) -> int:
     """``value`` as a Python int in [0, 2^64), with ``value + numel <= 2^64`` (a seed, or the index of a
-    call's first element): a TypeError/ValueError naming ``name`` otherwise."""
-    if isinstance(value, torch.Tensor) or isinstance(value, bool) or not hasattr(value, "__index__"):
+    call's first element): a TypeError/ValueError naming ``name`` otherwise. Under torch.compile an int that
+    changes between calls is traced: its range checks become the compiled code's guards (make_fx's symbolic
+    mode passes a SymInt, whose range is checked as the traced code runs)."""
+    if isinstance(value, torch.SymInt):
+        torch._check(value >= 0, lambda: f"{name} must be in [0, 2**64)")
+        torch._check(value + numel <= _U64, lambda: f"{name} + numel must be at most 2**64")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):  # (dynamo's traced ints too: no __index__ there)
+        v = value
+    elif isinstance(value, torch.Tensor) or isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be a Python int in [0, 2**64), got {type(value).__name__} {value!r}")
-    v = int(value.__index__())
+    else:
+        v = int(value.__index__())
     if not 0 <= v < _U64:
         raise ValueError(f"{name} must be in [0, 2**64), got {v}")
     if v + numel > _U64:
@@ -472,6 +502,8 @@ def u64_arg(value, name: str, *, numel: int = 0) -> int:
     """``check_u64(value, name, numel=numel)`` as the operators' ``int`` (int64) takes it: the same 64 bits,
     two's complement (csrc/torch/common.h u64_of maps it back)."""
     v = check_u64(value, name, numel=numel)
+    if isinstance(v, torch.SymInt):  # a traced int is an int64 already
+        return v
     return v - _U64 if v >= 1 << 63 else v
 
 

@@ -176,6 +176,76 @@ def test_gemm_compiles_with_its_epilogue(device):
     assert torch.equal(f(a, b, c), torch.compile(f, fullgraph=True)(a, b, c))
 
 
+# ---- torch.export and FakeTensors -------------------------------------------------------------------------
+def fused_ops(graph) -> list:
+    return [str(n.target) for n in graph.nodes if n.op == "call_function" and "mpfused" in str(n.target)]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_fused_linear_exports_fused(device, strict):
+    # torch.export's default (non-strict) mode runs the module on FakeTensors, which override
+    # __torch_dispatch__ like DTensor: taken for one, FusedLinear exported as F.linear + gelu, rounding twice
+    torch.manual_seed(0)
+    f = FusedLinear(16, 8, activation="gelu", device=device, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 16, device=device, dtype=torch.bfloat16)
+    ep = torch.export.export(f, (x,), strict=strict)
+    assert fused_ops(ep.graph) == ["mpfused.gemm_with_pre.default"]
+    assert torch.equal(ep.module()(x), f(x))
+
+
+def test_gemm_and_round_stochastic_export_and_take_fake_tensors(device):
+    class M(torch.nn.Module):
+        def forward(self, a, b, x):
+            return mpfused.gemm(a, b, alpha=0.5), mpfused.round_stochastic(x, torch.float16, seed=3, offset=5)
+
+    torch.manual_seed(0)
+    args = (torch.randn(6, 16, device=device, dtype=torch.float16), torch.randn(16, 4, device=device,
+            dtype=torch.float16), torch.randn(100, device=device))
+    ep = torch.export.export(M(), args)
+    assert fused_ops(ep.graph) == ["mpfused.gemm.default", "mpfused.round_stochastic.default"]
+    for got, want in zip(ep.module()(*args), M()(*args)):
+        assert torch.equal(got, want)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = torch.empty(6, 16, device=device, dtype=torch.bfloat16)
+        out = mpfused.gemm(a, a.t(), out_dtype=torch.float32)
+        r = mpfused.round_stochastic(torch.empty(7, device=device), torch.bfloat16, seed=1)
+    assert out.shape == (6, 6) and out.dtype == torch.float32 and r.shape == (7,) and r.dtype == torch.bfloat16
+
+
+def test_a_dtensor_is_still_refused_with_its_name():
+    # the tracing tensors pass; a subclass that intercepts dispatch for itself still gets the clear error
+    from torch.testing._internal.two_tensor import TwoTensor
+    t = TwoTensor(torch.randn(4, 4, dtype=torch.float16), torch.randn(4, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"a is a tensor subclass \(TwoTensor\)"):
+        mpfused.gemm(t, t)
+    with pytest.raises(TypeError, match=r"x is a tensor subclass \(TwoTensor\)"):
+        mpfused.round_stochastic(TwoTensor(torch.randn(4), torch.randn(4)), torch.float16, seed=1)
+
+
+def test_seed_and_offset_that_change_between_calls_compile_whole(device):
+    # a Python int that changes between calls reaches the second compile as a traced int (no __index__):
+    # the range checks failed to trace and fullgraph=True raised
+    from mpfused import fixed_point as fxp
+    x = torch.randn(300, device=device)
+    rs = torch.compile(lambda x, s, k: mpfused.round_stochastic(x, torch.bfloat16, seed=s, offset=k), fullgraph=True)
+    q = torch.compile(lambda x, s, k: fxp.quantize(x, 4, 8, rounding="stochastic", seed=s, offset=k), fullgraph=True)
+    for s, k in ((1, 0), (2, 8), (3, 13), (2**63 + 5, 2**64 - 300)):
+        assert torch.equal(rs(x, s, k), mpfused.round_stochastic(x, torch.bfloat16, seed=s, offset=k))
+        assert torch.equal(q(x, s, k), fxp.quantize(x, 4, 8, rounding="stochastic", seed=s, offset=k))
+    with pytest.raises(Exception, match="offset"):  # still checked: 2**64 - 299 + 300 elements pass 2**64
+        rs(x, 5, 2**64 - 299)
+
+
+def test_gemm_takes_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    a = torch.randn(4, 8, dtype=torch.float16)
+    want = mpfused.gemm(a, a.t(), alpha=2.0, beta=0.5, c=torch.ones(4, 4))
+    assert torch.equal(mpfused.gemm(a, a.t(), alpha=np.float32(2), beta=np.float16(0.5), c=torch.ones(4, 4)), want)
+    with pytest.raises(TypeError, match="alpha must be a Python int or float, got Tensor"):
+        mpfused.gemm(a, a.t(), alpha=torch.tensor(2.0))
+
+
 # ---- optimizer steps -----------------------------------------------------------------------------------
 STEP_CASES = {
     "adamw-fp16-masters": (mo.FusedAdamW, torch.float16, dict(lr=1e-2, weight_decay=0.1)),
