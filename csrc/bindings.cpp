@@ -125,11 +125,13 @@ bool plain_tensor(PyObject* o) {
 // `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
 // dtypes, devices, shapes and strides as bytes, which the plan compares with those of the step it was
 // made in; with `versions`, the version counters of the params that have an FP32 master (the last list of
-// `beside`) or a remainder too: a param written from outside the step, whose master must follow it, then
-// sends the step down the full path (see _follow_writes). One pass in C++ (tens of ns a tensor), before any kernel call
+// `beside`) or a remainder too, less `taken` (the planned steps since the layout was made: each counts one
+// write of every param, csrc/torch/optim.cpp): a param written from outside the step, whose master must
+// follow it, then sends the step down the full path (see _follow_writes). One pass in C++ (tens of ns a tensor), before any kernel call
 // writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
-                             const pybind11::list& remainders, const pybind11::list& steps, bool versions) {
+                             const pybind11::list& remainders, const pybind11::list& steps, bool versions,
+                             int64_t taken) {
   const auto plain_type = plain_tensor;
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   const auto per_param = [n](PyObject* list) { return PyList_Check(list) && PyList_GET_SIZE(list) == n; };
@@ -168,7 +170,7 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
     if (versions && ((PyList_GET_SIZE(beside.ptr()) > 0 &&
                       PyList_GET_ITEM(PyList_GET_ITEM(beside.ptr(), PyList_GET_SIZE(beside.ptr()) - 1), i) != Py_None) ||
                      PyList_GET_ITEM(remainders.ptr(), i) != Py_None))
-      out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()));
+      out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()) - taken);
     for (int64_t d = 0; d < p.dim(); ++d) {
       out.push_back(p.size(d));
       out.push_back(p.stride(d));
@@ -371,8 +373,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),
         pybind11::arg("remainders"), pybind11::arg("steps"), pybind11::arg("versions") = false,
+        pybind11::arg("taken") = 0,
         "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
-        "layouts (and, with versions, the version counters of those with a master or a remainder) as bytes.");
+        "layouts (and, with versions, the version counters of those with a master or a remainder, less "
+        "taken) as bytes.");
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
   m.def("same_entries", &same_entries, pybind11::arg("states"), pybind11::arg("names"), pybind11::arg("expected"),

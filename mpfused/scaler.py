@@ -697,13 +697,26 @@ class GradScaler(torch.amp.GradScaler):
     def get_hysteresis(self) -> int:
         return self._hysteresis
 
+    # On a disabled scaler (enabled=False, or "cuda" without CUDA) the setters store what they are given, as
+    # torch's do: its values were never checked either (the constructor checks them only when enabled), and a
+    # script written for a GPU must run on a CPU-only machine. (They checked the value against the other
+    # factor, which a disabled scaler never stored: an AttributeError.)
     def set_growth_factor(self, new_factor: float) -> None:
+        if not self._enabled:
+            self._growth_factor = new_factor
+            return
         self._growth_factor = _check_factors(new_factor, self._backoff_factor, ("new_factor", "backoff_factor"))[0]
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        if not self._enabled:
+            self._backoff_factor = new_factor
+            return
         self._backoff_factor = _check_factors(self._growth_factor, new_factor, ("growth_factor", "new_factor"))[1]
 
     def set_growth_interval(self, new_interval: int) -> None:
+        if not self._enabled:
+            self._growth_interval = new_interval
+            return
         self._growth_interval = _check_int("new_interval", new_interval, 1)
 
     # ---- state dict and pickling -------------------------------------------------------------------------

@@ -402,13 +402,15 @@ def test_capturable_refuses_values_on_another_device():
     p.grad = torch.randn(8)
     before = p.detach().clone()
     for kwargs, scaling, name in [
-            (dict(lr=torch.tensor(1e-2, device="meta")), None, "lr"),
+            (dict(lr=1e-2), None, "Invalid learning rate: a tensor lr must be on the CPU or on the params' CUDA device"),
             (dict(lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99))), None,
              r"Invalid beta parameter at index 1: .* must be on the CPU or on the params' CUDA device"),
             (dict(lr=1e-2), mo.StepScaling(found_inf=torch.zeros(1, device="meta")), "scaling.found_inf")]:
         opt = mo.FusedAdamW([p], capturable=True, **kwargs)
         if name.startswith("Invalid beta"):  # set later (the constructor checks the devices of its own)
             opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.99, device="meta"))
+        if name.startswith("Invalid learning rate"):
+            opt.param_groups[0]["lr"] = torch.tensor(1e-2, device="meta")
         message = name if name.startswith("Invalid") else f"capturable=True: {name} is on meta but the params are on cpu"
         with pytest.raises(ValueError, match=message):
             opt.step(scaling=scaling)

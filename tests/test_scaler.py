@@ -209,6 +209,24 @@ def test_disabled_scaler_is_a_pass_through(device):
     assert torch.equal(p.detach(), torch.full((2,), -2.0, device=device))
 
 
+@pytest.mark.parametrize("cls", [mpfused.GradScaler, torch.amp.GradScaler])
+def test_setters_of_a_disabled_scaler_store_their_values_as_torchs_do(cls):
+    # A script written for GradScaler("cuda") that runs on a CPU-only machine (or with enabled=use_amp):
+    # ours raised AttributeError, checking the value against a factor a disabled scaler never stored.
+    scaler = cls("cpu", enabled=False)
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(0)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 0)
+    assert not scaler.is_enabled()
+    if cls is mpfused.GradScaler:  # an enabled one still checks them
+        enabled = cls("cpu")
+        with pytest.raises(AssertionError, match="growth factor must be > 1.0"):
+            enabled.set_growth_factor(0.5)
+        with pytest.raises(ValueError, match="new_interval"):
+            enabled.set_growth_interval(0)
+
+
 def test_scale_handles_nested_outputs(device):
     scaler = mpfused.GradScaler(device, init_scale=4.0)
     a, b, c = (torch.ones(2, device=device) * k for k in (1, 2, 3))

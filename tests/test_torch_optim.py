@@ -526,6 +526,93 @@ def test_duplicate_params_are_rejected_at_construction_and_in_add_param_group(na
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("name", PAIRS)
+def test_params_over_the_same_memory_are_rejected(name):
+    # Two Parameter objects over one storage (nn.Parameter(other)): torch updates them one after the other;
+    # a fused pass updated both from the same old values (with FP16 masters the last write won, silently).
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    for params in ([w, torch.nn.Parameter(w)], [dict(params=[w]), dict(params=[torch.nn.Parameter(w.t())])],
+                   [w, torch.nn.Parameter(w.view(-1)[5:7])]):
+        with pytest.raises(ValueError, match="different tensors over the same memory"):
+            PAIRS[name][0](params)
+    # disjoint views of one buffer (FSDP1's use_orig_params, a flat buffer) are fine, in any group
+    flat = torch.zeros(100)
+    views = [torch.nn.Parameter(flat[:10]), torch.nn.Parameter(flat[30:].view(7, 10)), torch.nn.Parameter(flat[10:30])]
+    opt = PAIRS[name][0](views[:2])
+    opt.add_param_group(dict(params=[views[2]]))
+    with pytest.raises(ValueError, match="param 0 of param group 2 and param 0 of param group 1"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(flat[25:35])]))
+    assert len(opt.param_groups) == 2
+    copy.deepcopy(opt).add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(3))]))
+
+
+@pytest.mark.parametrize("name", PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_backward_through_params_the_step_changed_raises_as_torchs(name, dtype):
+    # torch's default (foreach) and for-loop steps count their writes in the params' version counters, so
+    # a graph that saved a param refuses to run backward on the new values; ours computed a wrong gradient
+    for cls in PAIRS[name]:
+        w = torch.nn.Parameter(torch.randn(3).to(dtype))
+        x = torch.randn(3, dtype=dtype, requires_grad=True)
+        y = (w * x).sum()
+        w.grad = torch.ones(3, dtype=dtype)
+        cls([w], lr=0.1).step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_two_optimizers_over_one_low_precision_param_both_move_it(dtype):
+    # Each keeps an FP32 master of its own; the second sees (by the version counter) that the first wrote
+    # the param, and its master follows, as the weight itself does in torch
+    w, ref = torch.nn.Parameter(torch.zeros(4, dtype=dtype)), torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+    ours, theirs = (FusedSGD([w], lr=0.1), FusedSGD([w], lr=0.1)), (torch.optim.SGD([ref], lr=0.1),) * 2
+    for _ in range(3):
+        for p, opts in ((w, ours), (ref, theirs)):
+            for opt in opts:
+                p.grad = torch.ones(4, dtype=dtype)
+                opt.step()
+    assert torch.equal(w, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_inference_tensor_param_is_refused_before_anything_is_written(dtype):
+    with torch.inference_mode():
+        p = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    p.grad = torch.ones(3, dtype=dtype)
+    opt = FusedAdam([p])
+    with pytest.raises(RuntimeError, match="param 0 of param group 0: the param is an inference tensor"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(3, dtype=dtype)) and len(opt.state) == 0
+    with pytest.raises(RuntimeError, match="inference tensor"):  # torch's, having written the param
+        torch.optim.Adam([p]).step()
+    with torch.inference_mode():
+        p.zero_()
+    # the operator refuses one too (the planned path calls it from C++), before writing
+    g = torch.ones(3, dtype=dtype)
+    with pytest.raises(ValueError, match=r"params\[0\] is an inference tensor"):
+        torch.ops.mpfused.optim_step_("sgd", [p], [g], [], [], [], [], [], [], [], [], 0.1, None,
+                                      [0.0, 0.0, 0.0, 0.0, 0.0], [], None, None, None, 0.0, None, None, False,
+                                      "nearest", 0, [])
+    assert torch.equal(p, torch.zeros(3, dtype=dtype))
+
+
+def test_a_meta_tensor_lr_is_refused_at_construction():
+    with pytest.raises(ValueError, match="a tensor lr must be on the CPU or on the params' CUDA device, got one on meta"):
+        FusedAdam(make_params(), lr=torch.tensor(0.1, device="meta"))
+
+
+def test_a_numpy_seed_is_kept_as_an_int_so_the_state_dict_loads_with_weights_only():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    opt = FusedAdamW([p], rounding="stochastic", master_weights=False, seed=np.int64(5))
+    p.grad = torch.ones(3, dtype=torch.float16)
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["param_groups"][0]["seed"] == 5
+
+
 @pytest.mark.parametrize("name,bad,text", [("adam", dict(betas=(0.9, 1.5)), "beta parameter at index 1"),
                                            ("sgd", dict(momentum=-1.0), "momentum value"),
                                            ("adamw", dict(lr=-0.1), "learning rate")])

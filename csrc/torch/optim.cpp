@@ -2,6 +2,7 @@
 // params, with the unscale, clip and skip of a gradient scaler in the same pass. Every argument is checked
 // before the backend runs, so a call that raises has modified nothing.
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cmath>
@@ -310,6 +311,16 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
   else if (rounding_s == "stochastic") r = mpf::Rounding::kStochastic;
   else fail("rounding must be 'nearest' or 'stochastic', got '" + rounding_s + "'");
   const size_t n = params.size();
+  // The writes are counted below (bump_version), which an inference tensor refuses outside inference mode,
+  // as torch's in-place ops do: refused here, before anything is written.
+  if (!c10::InferenceMode::is_enabled()) {
+    for (size_t i = 0; i < n; ++i)
+      for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&params[i], "params"},
+                                    {write_grad && i < grads.size() ? &grads[i] : nullptr, "grads"}})
+        if (t && t->is_inference())
+          fail(std::string(name) + "[" + std::to_string(i) + "] is an inference tensor (made under "
+               "torch.inference_mode()), which cannot be updated in place outside inference mode");
+  }
   const TensorRefs masters_v = indexed(masters, master_index, n, "masters");
   const TensorRefs remainders_v = indexed(remainders, remainder_index, n, "remainders");
   const TensorRefs steps_v = indexed(steps, step_index, n, "steps");
@@ -342,6 +353,16 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
                        std::vector<double>(hyper.begin(), hyper.end()), hyper_v, inv_scale, grad_scale, clip_sumsq,
                        max_norm, found_inf, counter, write_grad, r, u64_of(seed), offsets);
   });
+  // The params were written in place (and the grads, with write_grad), past ADInplaceOrView (the autograd
+  // keys fall through, MPF_TORCH_NO_AUTOGRAD): count the writes in their version counters, as torch's
+  // in-place ops do, and with them its default (foreach) and for-loop optimizers. A graph that saved a param
+  // for its backward then refuses to run on the updated values ("modified by an inplace operation") instead
+  // of computing a wrong gradient, and another optimizer over the same param sees that it was written
+  // (mpfused/optim/_base.py, _follow_writes). (Counted when the device skips the step on an inf too: the host
+  // cannot know, and torch's ops count a call, not a change.)
+  for (const at::Tensor& t : params) torch::autograd::impl::bump_version(t);
+  if (write_grad)
+    for (const at::Tensor& t : grads) torch::autograd::impl::bump_version(t);
 }
 
 }  // namespace

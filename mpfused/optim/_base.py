@@ -50,8 +50,11 @@ def check_lr(lr, where: str = "", read_device: bool = True, read_cpu: bool = Tru
             raise ValueError("Tensor lr must be 1-element" + where)
         if not lr.is_floating_point():
             raise ValueError(f"Invalid learning rate: a tensor lr must be floating point, got {lr.dtype}{where}")
+        if lr.device.type not in ("cpu", "cuda"):  # (torch fails reading a meta lr's value at construction)
+            raise ValueError(f"Invalid learning rate: a tensor lr must be on the CPU or on the params' CUDA device, "
+                             f"got one on {lr.device.type}{where}")
         cpu = lr.device.type == "cpu"
-        if (not cpu and (not read_device or lr.device.type == "meta")) or (cpu and (not read_cpu or torch.compiler.is_compiling())):
+        if (not cpu and not read_device) or (cpu and (not read_cpu or torch.compiler.is_compiling())):
             return
         lr = lr.item()
     check_number("learning rate", lr, where=where)
@@ -141,6 +144,10 @@ def check_precision(group: dict, where: str = "") -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= int(seed) < 2**64):
         raise ValueError(f"Invalid seed: expected None or an int in [0, 2**64), got {seed!r}{where}")
+    if seed is not None and type(seed) is not int:
+        # a numpy integer kept in the group would make the state_dict unloadable by torch.load's default
+        # weights_only unpickler
+        group["seed"] = int(seed)
     if rounding == "stochastic" and mw == "remainder":
         raise ValueError("Invalid rounding: rounding='stochastic' cannot be combined with master_weights='remainder' "
                          f"(the param is then the high half of its master, rounded to nearest){where}")
@@ -236,6 +243,24 @@ def join_master(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _memory_spans(params, gi: int) -> list:
+    """((device, storage address), (first byte, end byte, gi, i)) of each plain param of ``params`` (group
+    ``gi``) that holds memory: the bytes its elements span in its storage (FusedOptimizer._check_no_overlap)."""
+    out = []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor) or not is_plain_tensor(p) or p.numel() == 0 or p.device.type == "meta":
+            continue
+        lo = hi = p.storage_offset()
+        for size, stride in zip(p.shape, p.stride()):
+            if stride >= 0:
+                hi += (size - 1) * stride
+            else:
+                lo += (size - 1) * stride
+        size = p.element_size()
+        out.append(((p.device, p.untyped_storage().data_ptr()), (lo * size, (hi + 1) * size, gi, i)))
+    return out
 
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
@@ -350,11 +375,11 @@ def _kernel_entries(policy: str, states: list) -> list:
     return [[s.get(name) for s in states] for name in _ENTRY_NAMES[policy]]
 
 
-def _step_layout(params: list, grads: list, entries: list, versions: bool) -> Optional[bytes]:
+def _step_layout(params: list, grads: list, entries: list, versions: bool, taken: int = 0) -> Optional[bytes]:
     """_C.step_layout of params, their grads and their _kernel_entries (moments and masters beside the
     params, remainders, step counters); ``versions``: with the params' version counters (plain params: a
     write from outside the step then takes the full path, which makes the masters follow it)."""
-    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1], versions)
+    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1], versions, taken)
 
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
@@ -376,7 +401,8 @@ def _follow_writes(followed: tuple, seen) -> None:
     Without it the step would compute from the stale master and write over the edit.
 
     Which params to look at: those whose version counter moved since the last step saw them (every in-place
-    op on a param moves it; the kernels' own writes do not), or that it never saw (masters made before the
+    op on a param moves it; the step's kernel does too, and the step then records the new count), or that it
+    never saw (masters made before the
     params were loaded; a loaded optimizer state). Which elements: those where the param is no longer what
     the step wrote from the master, its rounding (to nearest; with stochastic rounding, one of the master's
     two neighbours in the param's dtype, or infinity where the master lies beyond the largest finite
@@ -441,6 +467,9 @@ class _GroupPlan:
     values: tuple
     frozen: bool
     hyper: Optional[tuple] = None  # call.hyper_args of the checked values, while they are frozen
+    # Planned steps taken since: each counted one write in every param's version counter (the layout's
+    # versions are compared less this many)
+    taken: int = 0
 
 
 @dataclass
@@ -576,7 +605,7 @@ class _StepPlan:
                                                                                  gp.entries):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
-            if _step_layout(lps, lgs, gp.layout_entries, versions=gp.local_entries is None) != gp.layout:
+            if _step_layout(lps, lgs, gp.layout_entries, versions=gp.local_entries is None, taken=gp.taken) != gp.layout:
                 return None
             calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
@@ -668,6 +697,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.pop("_mpf_plan", None)  # a plan holds the state and groups being replaced
         # the next step compares every param with its (loaded) master again (_follow_writes)
         self.__dict__.pop("_mpf_versions", None)
+        self.__dict__.pop("_mpf_spans", None)  # (a copy's params live elsewhere)
         super().__setstate__(state)
 
     @staticmethod
@@ -753,6 +783,7 @@ class FusedOptimizer(Optimizer):
                         f"optimizer contains a parameter group with duplicate parameters: param {i} of param group "
                         f"{index} is param {seen[id(p)]} again (a fused step updates each tensor once)")
                 seen[id(p)] = i
+            self._check_no_overlap(index)
             self._check_kinds(group, f" (param group {index})")
             check_precision(group, f" (param group {index})")
             for i, p in enumerate(group["params"]):
@@ -763,6 +794,50 @@ class FusedOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop(index)
             raise
+
+    def _check_no_overlap(self, index: int) -> None:
+        """A ValueError where a param of group ``index`` shares memory with another param of this optimizer
+        (two Parameter objects over one storage: ``nn.Parameter(other)``, overlapping views). torch's
+        optimizers update them one after the other; a fused pass updates both from the same old values, and
+        with FP32 masters each keeps a master of its own: the last write would win, and on a GPU the two
+        updates would race. Disjoint views of one storage (FSDP1's ``use_orig_params``, a flat buffer) are
+        fine. The spans of the groups added before are kept per storage (``_mpf_spans``); one found to
+        overlap is measured again before the error, in case its param moved since (``p.data = ...``)."""
+        table = self.__dict__.get("_mpf_spans")
+        if table is None:
+            table = self.__dict__["_mpf_spans"] = {}
+            for gi in range(index):
+                for key, span in _memory_spans(self.param_groups[gi]["params"], gi):
+                    table.setdefault(key, []).append(span)
+        new: dict = {}
+        for key, span in _memory_spans(self.param_groups[index]["params"], index):
+            new.setdefault(key, []).append(span)
+        for key, spans in new.items():
+            # in order of first byte: a span overlaps one before it iff it starts before the furthest end so
+            # far; a new span is compared with every span before it, an old one with the new ones only
+            reach_any = reach_new = None
+            for b in sorted(table.get(key, []) + spans):
+                a = reach_any if b[2] == index else reach_new
+                if a is not None and b[0] < a[1] and self._span_still(a, key) and self._span_still(b, key):
+                    raise ValueError(
+                        f"param {b[3]} of param group {b[2]} and param {a[3]} of param group {a[2]} are different "
+                        "tensors over the same memory (e.g. a weight tied with nn.Parameter(other), or overlapping "
+                        "views); a fused step would update both from the same old values: tie the modules by "
+                        "sharing one Parameter object, which the optimizer then updates once")
+                if reach_any is None or b[1] > reach_any[1]:
+                    reach_any = b
+                if b[2] == index and (reach_new is None or b[1] > reach_new[1]):
+                    reach_new = b
+        for key, spans in new.items():
+            table.setdefault(key, []).extend(spans)
+
+    def _span_still(self, span: tuple, key: tuple) -> bool:
+        groups = self.param_groups
+        gi, i = span[2], span[3]
+        if gi >= len(groups) or i >= len(groups[gi]["params"]):
+            return False
+        now = _memory_spans([groups[gi]["params"][i]], gi)
+        return bool(now) and now[0][0] == key and now[0][1][:2] == span[:2]
 
     # Whether the policy is element-wise (each element's update reads only that element): then a sharded
     # DTensor param's update is its local shard's. LAMB's trust ratio reads whole-param norms: False.
@@ -876,7 +951,8 @@ class FusedOptimizer(Optimizer):
         g = p.grad
         return (type(p) in _PLAIN_TYPES and type(g) in _PLAIN_TYPES and p.dtype in SUPPORTED_DTYPES
                 and g.dtype == p.dtype and p.layout == torch.strided and g.layout == torch.strided
-                and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p)))
+                and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p))
+                and (torch.compiler.is_compiling() or not (p.is_inference() or g.is_inference())))
 
     @staticmethod
     def _param_kind_ok(p) -> bool:
@@ -936,6 +1012,13 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"{where}: grad is on {g.device} but the param is on {p.device}")
         if g.dtype != p.dtype:
             raise ValueError(f"{where}: grad dtype {g.dtype} differs from param dtype {p.dtype}")
+        for name, t in (("param", p), ("grad", g)):
+            # torch's in-place update raises for one too, having written the params before it (dynamo cannot
+            # trace is_inference(); the operator refuses one outside inference mode, csrc/torch/optim.cpp)
+            if not torch.compiler.is_compiling() and t.is_inference():
+                raise RuntimeError(f"{where}: the {name} is an inference tensor (made under torch.inference_mode()), "
+                                   "which cannot be updated in place outside inference mode, nor have its writes "
+                                   "counted; make the model (or clone its params) outside torch.inference_mode()")
 
     # ---- step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -1029,9 +1112,10 @@ class FusedOptimizer(Optimizer):
             plannable = plannable and len(buckets) <= 1
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
+                followed = ()
                 if not dtensors and not compiling:
-                    _follow_writes(_followed(ps, states, group.get("rounding") == "stochastic"),
-                                   self._param_versions())
+                    followed = _followed(ps, states, group.get("rounding") == "stochastic")
+                    _follow_writes(followed, self._param_versions())
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout.
                 grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
@@ -1042,6 +1126,10 @@ class FusedOptimizer(Optimizer):
                 entries = _kernel_entries(self._policy, kstates)
                 self._fused_step(group, kps, kgrads, entries, self._device_lr(group, device), device_scalars(device),
                                  self._counter(device), write_grad, sr)
+                if followed:  # the kernel counted its writes (csrc/torch/optim.cpp): they are the step's own
+                    seen = self._param_versions()
+                    for p, *_ in followed:
+                        seen[p] = p._version
                 for p, g in zip(ps, grads):
                     if g is not p.grad:  # the grad went through a copy
                         plannable = False
@@ -1102,6 +1190,7 @@ class FusedOptimizer(Optimizer):
                     _ops.optim_step_direct(gp.call.args(lgs, lr=self._device_lr(group, device), hyper=hyper,
                                                         counter=counter, write_grad=write_grad, params=local_ps,
                                                         **({} if no_scalars else device_scalars(device))))
+                    gp.taken += 1
         except BaseException:
             # (nothing the plan checked can raise here; whatever did, the next step takes the full path)
             self.__dict__.pop("_mpf_plan", None)
