@@ -124,23 +124,51 @@ class _CastingForward:
         self.module = module
         self.inner = module.__dict__.get("forward")  # an instance-level forward set before us, if any
         self.input_dtype = input_dtype
-        self.autocast = autocast                      # None or (device_type, dtype)
+        self.autocast = autocast                      # None or the autocast dtype
         self.output_dtype = output_dtype
         self.output_from = output_from
+
+    def _forward(self):
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    # The forward's own signature and name: code that reads them (the Hugging Face Trainer keeps the dataset
+    # columns that forward's signature names) sees the model's, not (*args, **kwargs).
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._forward())
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self._forward(), "__name__", "forward")
 
     def __call__(self, *args, **kwargs):
         if self.input_dtype is not None:
             args = _cast_floating(args, self.input_dtype)
             kwargs = _cast_floating(kwargs, self.input_dtype)
-        forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        forward = self._forward()
         if self.autocast is not None:
-            with torch.autocast(device_type=self.autocast[0], dtype=self.autocast[1]):
+            # the model's device now (it may have moved since initialize): autocast for another device type
+            # leaves the forward in FP32
+            with torch.autocast(device_type=_model_device(self.module).type, dtype=self.autocast):
                 out = forward(*args, **kwargs)
         else:
             out = forward(*args, **kwargs)
         if self.output_dtype is not None:
             out = _cast_floating(out, self.output_dtype, self.output_from)
         return out
+
+
+class _Replaced:
+    """The step of an optimizer that amp.initialize replaced by a fused one (a plain object: the optimizer
+    still pickles and deep-copies)."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"this {self.old} was replaced by the {self.new} that mpfused.amp.initialize returned, "
+                           f"which holds its state and the FP32 master weights: step that one (and attach LR "
+                           "schedulers to it)")
 
 
 def _cast_module_(module: nn.Module, dtype: torch.dtype, seen: set) -> dict:
@@ -194,6 +222,9 @@ def _resolve(opt_level, dtype, keep_batchnorm_fp32, loss_scale, master_weights) 
     _check_optional_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
     _check_optional_bool("master_weights", master_weights)
     level = _LEVELS[opt_level]
+    if not level["cast"] and master_weights:  # (as apex refuses it: nothing would keep a master)
+        raise ValueError(f"master_weights=True has no meaning at {opt_level}: {opt_level} keeps the model's params in "
+                         "FP32, which are their own masters (FP32 masters are for O2 and O3)")
     if not level["cast"] and keep_batchnorm_fp32 is False:
         raise ValueError(f"keep_batchnorm_fp32=False cannot hold at {opt_level}: {opt_level} keeps the whole "
                          "model in FP32 (use O3 for low-precision normalization layers)")
@@ -383,9 +414,16 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
             model, input_dtype=props.dtype if props.cast_inputs else None,
             output_dtype=torch.float32 if props.outputs_fp32 else None, output_from=_LOW_DTYPES)
     elif props.autocast:
-        model.forward = _CastingForward(model, autocast=(device.type, props.dtype), output_dtype=torch.float32,
+        model.forward = _CastingForward(model, autocast=props.dtype, output_dtype=torch.float32,
                                         output_from=_LOW_DTYPES)
     model._mpfused_amp = props
+
+    # The optimizers replaced: their state tensors are the fused ones' now, and their params low precision
+    # without masters. A step of one (a framework that kept the reference) would train past the masters
+    # and disturb their moments, in silence: it raises instead. (apex patches the optimizers in place.)
+    for old, new in zip(optimizers, converted):
+        if new is not old:
+            old.step = _Replaced(type(old).__name__, type(new).__name__)
 
     # ---- the scaler ----
     if props.loss_scale == "dynamic":

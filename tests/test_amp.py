@@ -2,6 +2,7 @@
 hyperparameters, param groups and state), errors, and O2 tracking O0."""
 
 import copy
+import inspect
 from collections import OrderedDict, namedtuple
 
 import numpy as np
@@ -135,6 +136,49 @@ def test_o1_runs_forward_under_autocast_and_returns_fp32(device):
         assert out.dtype == torch.float32 and extra["int"].dtype == torch.int64
         assert not torch.is_autocast_enabled(device)  # the context was left
         assert model.fc.weight.dtype == torch.float32
+
+
+def test_o1_takes_the_autocast_device_from_the_model_at_each_call(device, monkeypatch):
+    # a model moved after initialize (initialize on the CPU, then .cuda()) must not run under the CPU's
+    # autocast, which would leave its CUDA forward in FP32, silently
+    model, _, _ = amp.initialize(net(device), None, "O1")
+    asked = []
+    real = amp._model_device
+    monkeypatch.setattr(amp, "_model_device", lambda m: asked.append(m) or real(m))
+    for _ in range(2):
+        model(batch(device)[0])
+    assert asked == [model, model]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_forward_keeps_its_signature_and_name(device, level):
+    # The Hugging Face Trainer keeps the dataset columns that inspect.signature(model.forward) names: a
+    # (*args, **kwargs) wrapper would drop them all
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return self.fc(input_ids)
+
+    model, _, _ = amp.initialize(Named().to(device), None, level)
+    want = inspect.signature(Named().forward)
+    for m in (model, copy.deepcopy(model)):
+        assert inspect.signature(m.forward) == want and m.forward.__name__ == "forward"
+    assert model(torch.randn(2, 4, device=device)).shape == (2, 3)
+
+
+def test_a_replaced_optimizer_refuses_to_step(device):
+    model = net(device)
+    old = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, scaler = amp.initialize(model, old, "O2")
+    iteration(model, opt, scaler, *batch(device))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="this AdamW was replaced by the FusedAdamW that mpfused.amp.initialize returned"):
+        old.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    copy.deepcopy(old)  # still an optimizer object
 
 
 Pair = namedtuple("Pair", "a b")
@@ -444,11 +488,13 @@ def test_an_lr_scheduler_made_before_initialize_warns(device):
     (dict(loss_scale=np.float32("nan")), ValueError, "loss_scale must be a positive"),
     (dict(master_weights="yes"), ValueError, "master_weights must be None, True or False"),
     (dict(keep_batchnorm_fp32=1), ValueError, "keep_batchnorm_fp32 must be None, True or False"),
+    (dict(opt_level="O1", master_weights=True), ValueError, "master_weights=True has no meaning at O1"),
+    (dict(opt_level="O0", master_weights=True), ValueError, "master_weights=True has no meaning at O0"),
 ])
 def test_bad_arguments_raise_before_anything_changes(device, kwargs, error, match):
     model = net(device)
     opt = torch.optim.Adam(model.parameters())
-    kwargs = dict(dict(opt_level="O2"), **kwargs)
+    kwargs = dict(opt_level="O2") | kwargs
     with pytest.raises(error, match=match):
         amp.initialize(model, opt, **kwargs)
     assert all(p.dtype == torch.float32 for p in model.parameters())
