@@ -254,7 +254,7 @@ class _FixedPointLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer):
         fmt, gfmt = layer.fmt, layer.grad_fmt
         rounding, seed, call = layer.rounding, layer.seed, layer.calls
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: in_features may be 0)
         xc = encode(x2, fmt.il, fmt.fl, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 0))
         wc = encode(weight.detach(), fmt.il, fmt.fl)  # on the grid already (FixedPointSGD keeps it there)
         if bias is not None:  # the bias as one more product: a column of 1.0 in x times a column of b
@@ -274,7 +274,7 @@ class _FixedPointLinearFn(torch.autograd.Function):
     def backward(ctx, gy):
         xc, wc, x_clamped, y_clamped = ctx.saved_tensors
         fmt, gfmt, rounding, seed, call, has_bias, x_shape = ctx.meta
-        g2 = gy.reshape(-1, gy.shape[-1]).float().masked_fill(y_clamped, 0.0)
+        g2 = gy.reshape(math.prod(gy.shape[:-1]), gy.shape[-1]).float().masked_fill(y_clamped, 0.0)  # (out_features may be 0)
         gc = encode(g2, gfmt.il, gfmt.fl, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 2))
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -392,16 +392,54 @@ class FixedPointSGD(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
 
+    def __setstate__(self, state: dict) -> None:
+        """torch's (load_state_dict ends here), then: a group saved without some of our keys (a torch.optim.SGD
+        state dict: no fmt, rounding or seed; a seed of None) takes them from the defaults, and a one-element tensor step (a
+        FusedSGD state dict's float32 count) becomes the int this optimizer counts in."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                if group.get(key) is None:  # (a fused optimizer's seed None: its own default)
+                    group[key] = value
+        for st in self.state.values():
+            step = st.get("step") if isinstance(st, dict) else None
+            if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+                value = step.item()
+                if float(value).is_integer() and value >= 0:
+                    st["step"] = int(value)
+
+    def _check_states(self) -> None:
+        """The state of every param that steps, before anything is written: ``step`` an int >= 0 and the
+        momentum buffer (where momentum is used and one exists) a float32 tensor like its param."""
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None or p not in self.state:
+                    continue
+                st, where = self.state[p], f"param {i} of param group {gi}"
+                step = st.get("step", 0)
+                if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**64:
+                    raise TypeError(f"state['step'] of {where} must be an int in [0, 2**64) (the steps it took), got "
+                                    f"{type(step).__name__} {step!r}")
+                buf = st.get("momentum_buffer")
+                if group["momentum"] and buf is not None and not (
+                        isinstance(buf, torch.Tensor) and buf.dtype == torch.float32 and buf.shape == p.shape
+                        and buf.device == p.device):
+                    what = (f"{buf.dtype} tensor of shape {tuple(buf.shape)} on {buf.device}"
+                            if isinstance(buf, torch.Tensor) else type(buf).__name__)
+                    raise TypeError(f"state['momentum_buffer'] of {where} must be a float32 tensor of the param's "
+                                    f"shape {tuple(p.shape)} on {p.device}, got a {what}")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # every group checked before anything is written
+        # every group and every state checked before anything is written
         checked = [self._check_group(group, f" (param group {gi})") for gi, group in enumerate(self.param_groups)]
         for group, (_, plain) in zip(self.param_groups, checked):
             group.update(plain)
+        self._check_states()
         fmts = [fmt for fmt, _ in checked]
         first = 0  # index of the param's element 0 among all params
         for group, fmt in zip(self.param_groups, fmts):

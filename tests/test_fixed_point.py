@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import mpfused
 from mpfused import fixed_point as fxp
+from mpfused import optim as mo
 from mpfused.random import philox_words
 
 from test_random import reference_words
@@ -398,6 +399,18 @@ def test_matmul_of_codes_beyond_their_format_raises_where_the_sum_would_overflow
         fxp.matmul(a, a.t().contiguous(), (17, 0), (17, 0), (32, 0))
 
 
+@pytest.mark.parametrize("in_features,out_features", [(0, 3), (3, 0), (0, 0)])
+def test_linear_with_a_zero_size_dim_works_as_torchs(in_features, out_features):
+    # (reshape(-1, 0) is ambiguous: forward raised for in_features=0, backward for out_features=0)
+    layer = fxp.FixedPointLinear(in_features, out_features, fmt=(4, 8), grad_fmt=(8, 8))  # (10 fits <8,8>)
+    x = torch.randn(2, 5, in_features, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (2, 5, out_features) and torch.equal(y, layer.bias.detach().expand(2, 5, out_features))
+    assert torch.equal(x.grad, torch.zeros_like(x)) and layer.weight.grad.shape == (out_features, in_features)
+    assert torch.equal(layer.bias.grad, torch.full((out_features,), 10.0))
+
+
 def test_linear_rejects_input_of_the_wrong_width():
     layer = fxp.FixedPointLinear(4, 3, fmt=(4, 8))
     for x in (torch.ones(2, 5), torch.tensor(1.0)):
@@ -419,6 +432,46 @@ def test_sgd_checks_every_group_before_writing_any(key, bad):
         opt.step()
     after = (p0.detach(), opt.state[p0]["momentum_buffer"], opt.state[p0]["step"])
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
+
+
+@pytest.mark.parametrize("key, bad, match", [
+    ("step", torch.tensor(1.0), "state\\['step'\\] of param 0 of param group 1 must be an int"),
+    ("step", -1, "state\\['step'\\] of param 0 of param group 1 must be an int"),
+    ("step", 2.0, "state\\['step'\\] of param 0 of param group 1 must be an int"),
+    ("momentum_buffer", torch.ones(3), "state\\['momentum_buffer'\\] of param 0 of param group 1 must be a float32 tensor"),
+    ("momentum_buffer", [1.0], "state\\['momentum_buffer'\\] of param 0 of param group 1 must be a float32 tensor")])
+def test_sgd_checks_every_state_before_writing_any(key, bad, match):
+    """A state edited by hand (or loaded from elsewhere) in group 1 stops the step before group 0 is written;
+    it wrote group 0, then raised an error that named the seed (for a tensor step) or none at all."""
+    p0, p1 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = fxp.FixedPointSGD([{"params": [p0]}, {"params": [p1]}], lr=0.25, fmt=(4, 8), momentum=0.5)
+    p0.grad, p1.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    before = (p0.detach().clone(), opt.state[p0]["momentum_buffer"].clone(), opt.state[p0]["step"])
+    opt.state[p1][key] = bad
+    with pytest.raises(TypeError, match=match):
+        opt.step()
+    after = (p0.detach(), opt.state[p0]["momentum_buffer"], opt.state[p0]["step"])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
+
+
+def test_sgd_loads_torch_and_fused_sgd_state_dicts():
+    # torch.optim.SGD's groups have no fmt, rounding or seed (a KeyError at the next step); FusedSGD's count
+    # their steps in a float32 tensor and have seed None
+    for make in (lambda p: torch.optim.SGD([p], lr=0.25, momentum=0.5), lambda p: mo.FusedSGD([p], lr=0.25, momentum=0.5)):
+        p = torch.nn.Parameter(torch.zeros(4))
+        other = make(p)
+        for _ in range(2):
+            p.grad = torch.ones(4)
+            other.step()
+        opt = fxp.FixedPointSGD([p], lr=0.25, fmt=(4, 8), momentum=0.5, seed=9)
+        opt.load_state_dict(other.state_dict())
+        group = opt.param_groups[0]
+        assert group["fmt"] == (4, 8) and group["seed"] in (9,) and group["momentum"] == 0.5
+        assert opt.state[p].get("step", 0) in (0, 2) and torch.equal(opt.state[p]["momentum_buffer"], torch.full((4,), 1.5))
+        p.grad = torch.ones(4)
+        opt.step()  # after -0.25, -0.625: m = 0.5 * 1.5 + 1 = 1.75, p = -0.625 - 0.25 * 1.75 (on the 2^-8 grid)
+        assert torch.equal(p.detach(), torch.full((4,), -1.0625))
 
 
 def test_format_dataclass():
