@@ -90,7 +90,8 @@ class FusedLinear(nn.Module):
     ``(*, in_features)``, flattened to 2-D without a copy where its strides allow, and the output
     ``(*, out_features)``.
 
-    ``activation``: None, ``"relu"``, ``"gelu"`` (the tanh approximation, like
+    The arguments are ``nn.Linear``'s, in its order (``FusedLinear(4, 3, True, "cuda", torch.bfloat16)``), then
+    ``activation`` (keyword-only): None, ``"relu"``, ``"gelu"`` (the tanh approximation, like
     ``F.gelu(y, approximate="tanh")``) or ``"gelu_erf"`` (the exact ``F.gelu(y)``).
 
     Which path runs:
@@ -117,8 +118,8 @@ class FusedLinear(nn.Module):
 
     __constants__ = ["in_features", "out_features", "activation"]
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: Optional[str] = None,
-                 device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 activation: Optional[str] = None) -> None:
         if activation is not None and not (isinstance(activation, str) and activation in _ACTIVATIONS):
             raise ValueError(f"activation must be None, 'relu', 'gelu' (tanh approximation) or 'gelu_erf', got "
                              f"{activation!r}")

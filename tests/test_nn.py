@@ -199,6 +199,12 @@ def test_same_init_and_state_dict_as_nn_linear(device):
     no_bias = FusedLinear(5, 3, bias=False, dtype=torch.bfloat16, device=device)
     assert no_bias.bias is None and no_bias.weight.dtype == torch.bfloat16
     assert repr(fused) == "FusedLinear(in_features=20, out_features=9, bias=True, activation='relu')"
+    # nn.Linear's positional order (in, out, bias, device, dtype); activation only by keyword
+    positional = FusedLinear(5, 3, False, device, torch.bfloat16)
+    assert positional.bias is None and positional.weight.dtype == torch.bfloat16
+    assert positional.weight.device.type == torch.device(device).type
+    with pytest.raises(RuntimeError, match="relu"):  # the old position of activation is device's now
+        FusedLinear(5, 3, True, "relu")
 
 
 @pytest.mark.parametrize("dtype", LOW)
