@@ -455,6 +455,14 @@ def test_sgd_checks_every_state_before_writing_any(key, bad, match):
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
 
 
+def test_cpu_matmul_takes_more_rows_than_the_cuda_grid_holds():
+    # 4194241 rows: one more than CUDA's 65535 rows of 64-row tiles, which the CPU loops never had
+    m = 65535 * 64 + 1
+    a = torch.arange(m, dtype=torch.int64).remainder(7).sub(3).to(torch.int16)[:, None]
+    out = fxp.matmul(a, torch.full((1, 2), 2, dtype=torch.int16), (4, 4), (4, 4), (8, 8))
+    assert out.shape == (m, 2) and torch.equal(out, (a.to(torch.int32) * 2).expand(m, 2).to(out.dtype))
+
+
 def test_sgd_loads_torch_and_fused_sgd_state_dicts():
     # torch.optim.SGD's groups have no fmt, rounding or seed (a KeyError at the next step); FusedSGD's count
     # their steps in a float32 tensor and have seed None

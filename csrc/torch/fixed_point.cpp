@@ -137,7 +137,8 @@ at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t 
     fail("the MACC's int64 sum could overflow: WL_a + WL_b + ceil(log2 K) must be at most 64 (the sum of K products "
          "of at most 2^(WL_a + WL_b - 2) stays within 2^62), got WL_a=" + std::to_string(mpf::fixed_wl(fa)) +
          ", WL_b=" + std::to_string(mpf::fixed_wl(fb)) + ", K=" + std::to_string(k));
-  if (m > int64_t{65535} * 64) fail("a_codes may have at most 4194240 rows (the CUDA grid's), got " + describe(a));
+  if (device.is_cuda() && m > int64_t{65535} * 64)  // (the CPU loops have no such limit)
+    fail("on CUDA, a_codes may have at most 4194240 rows (the grid's 65535 rows of 64-row tiles), got " + describe(a));
   check_offset(offset, m * n);
 
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
