@@ -124,14 +124,10 @@ bool plain_tensor(PyObject* o) {
 // lists (one entry per param, or None) of float32 tensors in the param's layout (moments, masters),
 // `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
 // dtypes, devices, shapes and strides as bytes, which the plan compares with those of the step it was
-// made in; with `versions`, the version counters of the params that have an FP32 master (the last list of
-// `beside`) or a remainder too, less `taken` (the planned steps since the layout was made: each counts one
-// write of every param, csrc/torch/optim.cpp): a param written from outside the step, whose master must
-// follow it, then sends the step down the full path (see _follow_writes). One pass in C++ (tens of ns a tensor), before any kernel call
-// writes.
+// made in (their version counters: step_versions). One pass in C++ (tens of ns a tensor), before any kernel
+// call writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
-                             const pybind11::list& remainders, const pybind11::list& steps, bool versions,
-                             int64_t taken) {
+                             const pybind11::list& remainders, const pybind11::list& steps) {
   const auto plain_type = plain_tensor;
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   const auto per_param = [n](PyObject* list) { return PyList_Check(list) && PyList_GET_SIZE(list) == n; };
@@ -167,14 +163,31 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
     out.push_back(static_cast<int64_t>(p.device().type()));
     out.push_back(p.device().index());
     out.push_back(p.dim());
-    if (versions && ((PyList_GET_SIZE(beside.ptr()) > 0 &&
-                      PyList_GET_ITEM(PyList_GET_ITEM(beside.ptr(), PyList_GET_SIZE(beside.ptr()) - 1), i) != Py_None) ||
-                     PyList_GET_ITEM(remainders.ptr(), i) != Py_None))
-      out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()) - taken);
     for (int64_t d = 0; d < p.dim(); ++d) {
       out.push_back(p.size(d));
       out.push_back(p.stride(d));
     }
+  }
+  return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+}
+
+// The version counters, as bytes, of the params (plain tensors, as step_layout accepted them) that have an
+// FP32 master (masters[i] not None) or a remainder: the planned step compares them with those its last step
+// left (each step moves a param's counter, csrc/torch/optim.cpp, by a count that views of one buffer in
+// several groups make larger than one), and a param written from outside the step, whose master must
+// follow the write, then sends the step down the full path (see _follow_writes). Empty bytes for a list
+// that does not match.
+pybind11::bytes step_versions(const pybind11::list& params, const pybind11::list& masters, const pybind11::list& remainders) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(masters.ptr()) != n || PyList_GET_SIZE(remainders.ptr()) != n) return pybind11::bytes();
+  std::vector<int64_t> out;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyList_GET_ITEM(masters.ptr(), i) == Py_None && PyList_GET_ITEM(remainders.ptr(), i) == Py_None) continue;
+    PyObject* const po = PyList_GET_ITEM(params.ptr(), i);
+    if (!plain_tensor(po)) return pybind11::bytes();
+    const at::Tensor& p = THPVariable_Unpack(po);
+    if (p.is_inference()) return pybind11::bytes();
+    out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()));
   }
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
@@ -372,11 +385,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),
-        pybind11::arg("remainders"), pybind11::arg("steps"), pybind11::arg("versions") = false,
-        pybind11::arg("taken") = 0,
+        pybind11::arg("remainders"), pybind11::arg("steps"),
         "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
-        "layouts (and, with versions, the version counters of those with a master or a remainder, less "
-        "taken) as bytes.");
+        "layouts as bytes.");
+  m.def("step_versions", &step_versions, pybind11::arg("params"), pybind11::arg("masters"), pybind11::arg("remainders"),
+        "The version counters of the params with a master or a remainder, as bytes (empty where the lists do not match).");
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
   m.def("same_entries", &same_entries, pybind11::arg("states"), pybind11::arg("names"), pybind11::arg("expected"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import types
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
@@ -114,6 +115,19 @@ def _cast_floating(obj, dtype: torch.dtype, only: Optional[tuple] = None):
     return obj
 
 
+class _InstanceSignature:
+    """``__signature__`` of a _CastingForward: the forward's it calls; None on the class itself (which
+    inspect then reads as usual) and where the forward has none."""
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return None
+        try:
+            return inspect.signature(obj._forward())
+        except (TypeError, ValueError):
+            return None
+
+
 class _CastingForward:
     """Replaces a module's forward (as an instance attribute): casts the floating inputs, optionally runs
     under torch.autocast, casts the outputs. A plain object, so deepcopy rebinds it to the copy and
@@ -133,9 +147,7 @@ class _CastingForward:
 
     # The forward's own signature and name: code that reads them (the Hugging Face Trainer keeps the dataset
     # columns that forward's signature names) sees the model's, not (*args, **kwargs).
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self._forward())
+    __signature__ = _InstanceSignature()
 
     @property
     def __name__(self) -> str:
@@ -158,17 +170,12 @@ class _CastingForward:
         return out
 
 
-class _Replaced:
-    """The step of an optimizer that amp.initialize replaced by a fused one (a plain object: the optimizer
-    still pickles and deep-copies)."""
-
-    def __init__(self, old: str, new: str) -> None:
-        self.old, self.new = old, new
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"this {self.old} was replaced by the {self.new} that mpfused.amp.initialize returned, "
-                           f"which holds its state and the FP32 master weights: step that one (and attach LR "
-                           "schedulers to it)")
+def _replaced_step(self, *args, **kwargs):
+    """The step of an optimizer that amp.initialize replaced by a fused one: bound to it as a method (LR
+    schedulers wrap ``optimizer.step.__func__``); torch's optimizers pickle without it."""
+    raise RuntimeError(f"this {type(self).__name__} was replaced by the {self._mpfused_replaced_by} that "
+                       "mpfused.amp.initialize returned, which holds its state and the FP32 master weights: step "
+                       "that one (and attach LR schedulers to it)")
 
 
 def _cast_module_(module: nn.Module, dtype: torch.dtype, seen: set) -> dict:
@@ -423,7 +430,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     # and disturb their moments, in silence: it raises instead. (apex patches the optimizers in place.)
     for old, new in zip(optimizers, converted):
         if new is not old:
-            old.step = _Replaced(type(old).__name__, type(new).__name__)
+            old._mpfused_replaced_by = type(new).__name__
+            old.step = types.MethodType(_replaced_step, old)
 
     # ---- the scaler ----
     if props.loss_scale == "dynamic":

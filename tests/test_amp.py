@@ -166,6 +166,8 @@ def test_the_forward_keeps_its_signature_and_name(device, level):
     want = inspect.signature(Named().forward)
     for m in (model, copy.deepcopy(model)):
         assert inspect.signature(m.forward) == want and m.forward.__name__ == "forward"
+    if level != "O0":  # (the wrapper's class reads as a class)
+        assert "module" in inspect.signature(type(model.forward)).parameters
     assert model(torch.randn(2, 4, device=device)).shape == (2, 3)
 
 
@@ -179,6 +181,10 @@ def test_a_replaced_optimizer_refuses_to_step(device):
         old.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     copy.deepcopy(old)  # still an optimizer object
+    # an LR scheduler attached to it afterwards (torch's wraps optimizer.step.__func__) gets the same error
+    torch.optim.lr_scheduler.StepLR(old, step_size=1)
+    with pytest.raises(RuntimeError, match="was replaced by the FusedAdamW"):
+        old.step()
 
 
 Pair = namedtuple("Pair", "a b")

@@ -463,6 +463,18 @@ def test_cpu_matmul_takes_more_rows_than_the_cuda_grid_holds():
     assert out.shape == (m, 2) and torch.equal(out, (a.to(torch.int32) * 2).expand(m, 2).to(out.dtype))
 
 
+@pytest.mark.parametrize("kw", [dict(nesterov=True), dict(dampening=0.1), dict(weight_decay=1e-4),
+                                dict(maximize=True)])
+def test_sgd_refuses_a_state_dict_of_another_update_rule(kw):
+    p = torch.nn.Parameter(torch.zeros(4))
+    saved = torch.optim.SGD([p], lr=0.25, momentum=0.5, **kw).state_dict()
+    opt = fxp.FixedPointSGD([p], lr=0.1, fmt=(4, 8), momentum=0.9)
+    key = next(iter(kw))
+    with pytest.raises(ValueError, match=f"param group 0 of the state dict has {key}="):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
+
+
 def test_sgd_loads_torch_and_fused_sgd_state_dicts():
     # torch.optim.SGD's groups have no fmt, rounding or seed (a KeyError at the next step); FusedSGD's count
     # their steps in a float32 tensor and have seed None

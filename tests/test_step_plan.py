@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD, StepScaling
 from mpfused.optim._base import FusedOptimizer
+from mpfused.optim import _base
 
 from conftest import DEVICES
 from dispatch_helpers import FunctionsSeen, OpsSeen, Traced
@@ -686,3 +687,56 @@ def test_an_unused_state_that_is_a_subclass_sees_every_call():
         op_step(opt, step)
     assert taken == [False, False, False]
     assert sum(call.startswith("mpfused.optim_step_") for call in Traced.seen) == 3
+
+
+# ---- the version counters the step's writes move (csrc/torch/optim.cpp) ----------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_views_of_one_buffer_in_two_groups_keep_the_plan(dtype):
+    # nn.Parameter(buf[a:b]) shares buf's version counter, which each group's call moves (once a call, not
+    # once a view): the plan compares the counters its last step left after every group was written
+    flat = torch.zeros(40 * 8, dtype=dtype)
+    ps = [torch.nn.Parameter(flat[i * 8:(i + 1) * 8]) for i in range(40)]
+    opt = FusedAdamW([{"params": ps[:20]}, {"params": ps[20:], "weight_decay": 0.0}], lr=1e-3)
+    taken = spy_plan(opt)
+    for step in range(5):
+        set_grads(ps, step)
+        opt.step()
+    assert taken == [False, True, True, True, True]
+    before = ps[3]._version
+    with torch.no_grad():
+        ps[3][0] = 1.0  # a write from outside: the full path, whose master follows it
+    set_grads(ps, 5)
+    opt.step()
+    assert taken[-1] is False and ps[3]._version > before
+    assert opt.state[ps[3]]["master_param"][0] != 0.0 and abs(opt.state[ps[3]]["master_param"][0] - 1.0) < 0.01
+
+
+def test_a_full_step_after_planned_ones_does_not_compare_the_masters_again(monkeypatch):
+    # the planned steps' own writes moved the counters; the full path that follows takes them as its own
+    # (on a GPU a comparison is kernels, which a CUDA-graph capture of that step would keep)
+    compared = []
+    real = _base._follow_writes
+
+    def follow(followed, seen):
+        compared.extend(p for p, *_ in followed if seen.get(p) != p._version)
+        return real(followed, seen)
+
+    monkeypatch.setattr(_base, "_follow_writes", follow)
+    ps = [torch.nn.Parameter(torch.randn(8).bfloat16()) for _ in range(4)]
+    opt = FusedAdam(ps, lr=1e-3)
+    taken = spy_plan(opt)
+    for step in range(4):
+        set_grads(ps, step)
+        opt.step()
+    assert taken == [False, True, True, True] and len(compared) == 4  # (the first step: masters just made)
+    compared.clear()
+    opt.param_groups[0]["amsgrad"] = True  # another signature: the full path
+    set_grads(ps, 4)
+    opt.step()
+    assert taken[-1] is False and compared == []
+    with torch.no_grad():
+        ps[1].add_(1.0)
+    opt.param_groups[0]["amsgrad"] = False
+    set_grads(ps, 5)
+    opt.step()
+    assert [p is ps[1] for p in compared] == [True]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
-from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD, StepScaling
 from conftest import DEVICES, cuda_skip_reason, requires_cuda
 from tolerances import OPTIM_FP32_ATOL
 
@@ -544,6 +544,19 @@ def test_params_over_the_same_memory_are_rejected(name):
         opt.add_param_group(dict(params=[torch.nn.Parameter(flat[25:35])]))
     assert len(opt.param_groups) == 2
     copy.deepcopy(opt).add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(3))]))
+    # a group refused for another reason, or removed by hand, leaves nothing behind: added again, it is fine
+    other = torch.zeros(20)
+    late = torch.nn.Parameter(other[5:15])
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.add_param_group(dict(params=[late], lr=-1.0))
+    opt.add_param_group(dict(params=[late]))
+    opt.param_groups.pop()
+    opt.add_param_group(dict(params=[late]))
+    with pytest.raises(ValueError, match="param 0 of param group 3 and param 0 of param group 2"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(other[:6])]))
+    # what a step never writes or refuses itself is not compared: a frozen tie, a sparse or mkldnn param
+    PAIRS[name][0]([w, torch.nn.Parameter(w, requires_grad=False), torch.nn.Parameter(torch.zeros(3).to_sparse()),
+                    torch.nn.Parameter(torch.zeros(2, 3).to_mkldnn())])
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -588,6 +601,18 @@ def test_an_inference_tensor_param_is_refused_before_anything_is_written(dtype):
         torch.optim.Adam([p]).step()
     with torch.inference_mode():
         p.zero_()
+    # a grad that is one is only read (as torch reads it), unless the step writes it back (unscaled):
+    # the operator refuses that before writing anything
+    q = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    with torch.inference_mode():
+        q.grad = torch.ones(3, dtype=dtype)
+    opt = FusedSGD([q], lr=0.5)
+    for _ in range(2):  # the full path, then the planned one
+        opt.step()
+    assert torch.equal(q, torch.full((3,), -1.0, dtype=dtype))
+    with pytest.raises(ValueError, match=r"grads\[0\] is an inference tensor"):
+        opt.step(scaling=StepScaling(inv_scale=torch.ones(1)))
+    assert torch.equal(q, torch.full((3,), -1.0, dtype=dtype))
     # the operator refuses one too (the planned path calls it from C++), before writing
     g = torch.ones(3, dtype=dtype)
     with pytest.raises(ValueError, match=r"params\[0\] is an inference tensor"):

@@ -266,6 +266,21 @@ void optim_step_with(at::TensorList params, at::TensorList grads, const TensorRe
   run_optim(a, device);
 }
 
+// One bump of every version counter among `tensors`: views of one buffer (nn.Parameter(buf[a:b]), DDP's
+// bucket-view grads) share their base's counter, and a bump per tensor would move it once per view. A
+// counter moves by one a step whatever shares it, which the planned step compares (csrc/bindings.cpp,
+// step_layout's `taken`): a tensor whose counter moved since the pass began was bumped through another.
+// (An inference tensor has no counter: inside inference mode, where the step may write one, nothing to count.)
+void bump_each_counter_once(at::TensorList tensors) {
+  std::vector<uint32_t> before(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!tensors[i].is_inference()) before[i] = tensors[i].unsafeGetTensorImpl()->version_counter().current_version();
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!tensors[i].is_inference() &&
+        tensors[i].unsafeGetTensorImpl()->version_counter().current_version() == before[i])
+      torch::autograd::impl::bump_version(tensors[i]);
+}
+
 // A schema cannot hold a list of optional mutable tensors (nor a list of lists), so each optional
 // per-param tensor list travels as the tensors given plus an index: index[i] is the position in `given`
 // of param i's tensor, or -1 for none; an empty index gives none at all.
@@ -360,9 +375,8 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
   // of computing a wrong gradient, and another optimizer over the same param sees that it was written
   // (mpfused/optim/_base.py, _follow_writes). (Counted when the device skips the step on an inf too: the host
   // cannot know, and torch's ops count a call, not a change.)
-  for (const at::Tensor& t : params) torch::autograd::impl::bump_version(t);
-  if (write_grad)
-    for (const at::Tensor& t : grads) torch::autograd::impl::bump_version(t);
+  bump_each_counter_once(params);
+  if (write_grad) bump_each_counter_once(grads);
 }
 
 }  // namespace

@@ -246,11 +246,14 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _memory_spans(params, gi: int) -> list:
-    """((device, storage address), (first byte, end byte, gi, i)) of each plain param of ``params`` (group
-    ``gi``) that holds memory: the bytes its elements span in its storage (FusedOptimizer._check_no_overlap)."""
+    """((device, storage address), (first byte, end byte, gi, i)) of each param of ``params`` (group ``gi``)
+    that a step could write: a plain dense strided tensor that requires grad and holds memory; the bytes its
+    elements span in its storage (FusedOptimizer._check_no_overlap). (A frozen param is never stepped; a
+    sparse, non-dense or meta one is refused by the step itself.)"""
     out = []
     for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor) or not is_plain_tensor(p) or p.numel() == 0 or p.device.type == "meta":
+        if (not isinstance(p, torch.Tensor) or not is_plain_tensor(p) or not p.requires_grad or p.numel() == 0
+                or p.layout != torch.strided or p.is_nested or p.device.type == "meta" or not is_dense(p)):
             continue
         lo = hi = p.storage_offset()
         for size, stride in zip(p.shape, p.stride()):
@@ -375,11 +378,17 @@ def _kernel_entries(policy: str, states: list) -> list:
     return [[s.get(name) for s in states] for name in _ENTRY_NAMES[policy]]
 
 
-def _step_layout(params: list, grads: list, entries: list, versions: bool, taken: int = 0) -> Optional[bytes]:
+def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
     """_C.step_layout of params, their grads and their _kernel_entries (moments and masters beside the
-    params, remainders, step counters); ``versions``: with the params' version counters (plain params: a
-    write from outside the step then takes the full path, which makes the masters follow it)."""
-    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1], versions, taken)
+    params, remainders, step counters)."""
+    return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1])
+
+
+def _step_versions(params: list, entries: list) -> bytes:
+    """_C.step_versions: the version counters of the plain params with a master or a remainder (the
+    entries' last two lists before the step counters): a write from outside the step moves one, and the
+    step then takes the full path, which makes the masters follow it (_follow_writes)."""
+    return _ops._C.step_versions(params, entries[-3], entries[-2])
 
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
@@ -467,9 +476,9 @@ class _GroupPlan:
     values: tuple
     frozen: bool
     hyper: Optional[tuple] = None  # call.hyper_args of the checked values, while they are frozen
-    # Planned steps taken since: each counted one write in every param's version counter (the layout's
-    # versions are compared less this many)
-    taken: int = 0
+    # The version counters of the params with masters or remainders (plain groups; None for DTensors) after
+    # the last step, full or planned (_step_versions): one that differs now was written from outside the step
+    versions: Optional[bytes] = None
 
 
 @dataclass
@@ -531,9 +540,10 @@ class _StepPlan:
             if any(t is not None and not is_plain_tensor(t) for unused, tensors in zip(layout_entries, local_entries or entries)
                    if unused is not tensors for t in tensors):
                 return None  # (an unused state that is a subclass: torch.ops hands it the call, the full path's)
-            layout = _step_layout(lps, lgs, layout_entries, versions=not dtensors)
+            layout = _step_layout(lps, lgs, layout_entries)
             if layout is None:
                 return None
+            versions = None if dtensors else _step_versions(lps, layout_entries)
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
             # (the offsets are keyed by the tensor the kernel call sees: a DTensor's local shard)
             sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in lps]
@@ -543,7 +553,7 @@ class _StepPlan:
             frozen = all(_frozen(v) for k, v in zip(group, values) if k not in _NOT_VALUES)
             groups.append(_GroupPlan(group, tuple(params), cls.signature(group), mask, layout, states, entries,
                                      local_entries, layout_entries, device, call, tuple(group), values, frozen,
-                                     hyper if frozen else None))
+                                     hyper if frozen else None, versions))
         # The offsets count every param's elements; where every param had a grad, the layouts already hold
         # their shapes (and a param without a grad now fails the mask): no numels to compare. (Not for
         # DTensors: their layouts hold the local shards' shapes, their offsets come from the global ones.)
@@ -605,7 +615,8 @@ class _StepPlan:
                                                                                  gp.entries):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
-            if _step_layout(lps, lgs, gp.layout_entries, versions=gp.local_entries is None, taken=gp.taken) != gp.layout:
+            if _step_layout(lps, lgs, gp.layout_entries) != gp.layout or (
+                    gp.versions is not None and _step_versions(lps, gp.layout_entries) != gp.versions):
                 return None
             calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
@@ -802,12 +813,18 @@ class FusedOptimizer(Optimizer):
         with FP32 masters each keeps a master of its own: the last write would win, and on a GPU the two
         updates would race. Disjoint views of one storage (FSDP1's ``use_orig_params``, a flat buffer) are
         fine. The spans of the groups added before are kept per storage (``_mpf_spans``); one found to
-        overlap is measured again before the error, in case its param moved since (``p.data = ...``)."""
-        table = self.__dict__.get("_mpf_spans")
-        if table is None:
-            table = self.__dict__["_mpf_spans"] = {}
+        overlap is measured again before the error, in case its param moved since (``p.data = ...``); the
+        spans are rebuilt where the groups before are not those they were taken from (a group removed, or
+        added and then refused by a later check)."""
+        groups = self.param_groups
+        made_from = tuple((id(g), len(g["params"])) for g in groups[:index])
+        cached = self.__dict__.pop("_mpf_spans", None)
+        if cached is not None and cached[0] == made_from:
+            table = cached[1]
+        else:
+            table = {}
             for gi in range(index):
-                for key, span in _memory_spans(self.param_groups[gi]["params"], gi):
+                for key, span in _memory_spans(groups[gi]["params"], gi):
                     table.setdefault(key, []).append(span)
         new: dict = {}
         for key, span in _memory_spans(self.param_groups[index]["params"], index):
@@ -819,6 +836,8 @@ class FusedOptimizer(Optimizer):
             for b in sorted(table.get(key, []) + spans):
                 a = reach_any if b[2] == index else reach_new
                 if a is not None and b[0] < a[1] and self._span_still(a, key) and self._span_still(b, key):
+                    if b[2] != index:  # (the new group's param first)
+                        a, b = b, a
                     raise ValueError(
                         f"param {b[3]} of param group {b[2]} and param {a[3]} of param group {a[2]} are different "
                         "tensors over the same memory (e.g. a weight tied with nn.Parameter(other), or overlapping "
@@ -830,6 +849,7 @@ class FusedOptimizer(Optimizer):
                     reach_new = b
         for key, spans in new.items():
             table.setdefault(key, []).extend(spans)
+        self.__dict__["_mpf_spans"] = (made_from + ((id(groups[index]), len(groups[index]["params"])),), table)
 
     def _span_still(self, span: tuple, key: tuple) -> bool:
         groups = self.param_groups
@@ -952,7 +972,7 @@ class FusedOptimizer(Optimizer):
         return (type(p) in _PLAIN_TYPES and type(g) in _PLAIN_TYPES and p.dtype in SUPPORTED_DTYPES
                 and g.dtype == p.dtype and p.layout == torch.strided and g.layout == torch.strided
                 and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p))
-                and (torch.compiler.is_compiling() or not (p.is_inference() or g.is_inference())))
+                and (torch.compiler.is_compiling() or not p.is_inference()))
 
     @staticmethod
     def _param_kind_ok(p) -> bool:
@@ -1012,13 +1032,13 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"{where}: grad is on {g.device} but the param is on {p.device}")
         if g.dtype != p.dtype:
             raise ValueError(f"{where}: grad dtype {g.dtype} differs from param dtype {p.dtype}")
-        for name, t in (("param", p), ("grad", g)):
-            # torch's in-place update raises for one too, having written the params before it (dynamo cannot
-            # trace is_inference(); the operator refuses one outside inference mode, csrc/torch/optim.cpp)
-            if not torch.compiler.is_compiling() and t.is_inference():
-                raise RuntimeError(f"{where}: the {name} is an inference tensor (made under torch.inference_mode()), "
-                                   "which cannot be updated in place outside inference mode, nor have its writes "
-                                   "counted; make the model (or clone its params) outside torch.inference_mode()")
+        # torch's in-place update raises for one too (outside inference mode), having written the params
+        # before it. A grad may be one (read only; the operator refuses one it would write back, outside
+        # inference mode). (dynamo cannot trace is_inference(); the operator checks there.)
+        if not torch.compiler.is_compiling() and p.is_inference():
+            raise RuntimeError(f"{where}: the param is an inference tensor (made under torch.inference_mode()); the "
+                               "fused optimizers do not step one, inside inference mode or out (its writes cannot be "
+                               "counted): make the model (or clone its params) outside torch.inference_mode()")
 
     # ---- step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -1054,6 +1074,7 @@ class FusedOptimizer(Optimizer):
         # that every param, grad, state dict and state tensor is the object it was made for.
         compiling = torch.compiler.is_compiling()
         if not compiling:
+            self._credit_planned_writes(self.__dict__.get("_mpf_plan"))
             self.__dict__["_mpf_plan"] = None
         # Everything is checked before anything (state included) is created or written.
         work = []
@@ -1139,6 +1160,26 @@ class FusedOptimizer(Optimizer):
             self.__dict__["_mpf_plan"] = _StepPlan.make(self, work, offsets if stochastic else None)
         return loss
 
+    def _credit_planned_writes(self, plan: Optional["_StepPlan"]) -> None:
+        """Where the full path follows a plan's steps, whose writes moved the params' version counters
+        (csrc/torch/optim.cpp): a group whose followed params' counters are still what its last step left
+        had no write from outside since, so the full path notes their counts as its own (_follow_writes) and
+        does not compare them with their masters again (on a GPU: no comparison kernels, which a CUDA-graph
+        capture of that step would keep). A group written from outside keeps the old counts: compared."""
+        if plan is None:
+            return
+        seen = None
+        for gp in plan.groups:
+            if gp.versions is None or not gp.versions or gp.call is None:
+                continue
+            written = list(gp.params if gp.mask is None else compress(gp.params, gp.mask))
+            if not all(map(is_plain_tensor, written)) or _step_versions(written, gp.layout_entries) != gp.versions:
+                continue
+            seen = self._param_versions() if seen is None else seen
+            for p, master, remainder in zip(written, gp.layout_entries[-3], gp.layout_entries[-2]):
+                if (master is not None or remainder is not None) and p in seen:
+                    seen[p] = p._version
+
     def _planned_step(self, scaling: StepScaling) -> bool:
         """The step on the plan the last step left (_StepPlan), when this one repeats that step's structure;
         False, having checked and written nothing, when it does not (the caller then takes the full path)."""
@@ -1190,11 +1231,15 @@ class FusedOptimizer(Optimizer):
                     _ops.optim_step_direct(gp.call.args(lgs, lr=self._device_lr(group, device), hyper=hyper,
                                                         counter=counter, write_grad=write_grad, params=local_ps,
                                                         **({} if no_scalars else device_scalars(device))))
-                    gp.taken += 1
         except BaseException:
             # (nothing the plan checked can raise here; whatever did, the next step takes the full path)
             self.__dict__.pop("_mpf_plan", None)
             raise
+        # The counters the step's own writes left (counted by the operator), once every group is written:
+        # views of one buffer in several groups share a counter, which each group's call moves
+        for _, gp, kps, *_ in calls:
+            if gp.versions is not None and kps:
+                gp.versions = _step_versions(kps, gp.layout_entries)
         return True
 
     @staticmethod
