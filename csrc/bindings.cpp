@@ -150,7 +150,8 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
     PyObject* const go = PyList_GET_ITEM(grads.ptr(), i);
     if (!plain_type(po) || !plain_type(go)) return pybind11::none();
     const at::Tensor& p = THPVariable_Unpack(po);
-    if (!grad_pairs(p, THPVariable_Unpack(go))) return pybind11::none();
+    // (an inference grad: the full path, which refuses one the step would write back before any group is written)
+    if (!grad_pairs(p, THPVariable_Unpack(go)) || THPVariable_Unpack(go).is_inference()) return pybind11::none();
     for (const pybind11::handle list : beside)
       if (!entry_ok(list.ptr(), i, p, [&](const at::Tensor& t) { return t.scalar_type() == at::kFloat && same_layout(t, p); }))
         return pybind11::none();
@@ -171,7 +172,7 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
 
-// The version counters, as bytes, of the params (plain tensors, as step_layout accepted them) that have an
+// The version counters and data pointers, as bytes, of the params (plain tensors, as step_layout accepted them) that have an
 // FP32 master (masters[i] not None) or a remainder: the planned step compares them with those its last step
 // left (each step moves a param's counter, csrc/torch/optim.cpp, by a count that views of one buffer in
 // several groups make larger than one), and a param written from outside the step, whose master must
@@ -188,6 +189,8 @@ pybind11::bytes step_versions(const pybind11::list& params, const pybind11::list
     const at::Tensor& p = THPVariable_Unpack(po);
     if (p.is_inference()) return pybind11::bytes();
     out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()));
+    // and its memory: after a swap_tensors or a `p.data = t` the counter is another tensor's, of any count
+    out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.data_ptr())));
   }
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }

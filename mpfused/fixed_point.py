@@ -392,21 +392,18 @@ class FixedPointSGD(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, refusing first a state dict whose groups ask for what this SGD does not do (one saved by
-        torch.optim.SGD or FusedSGD with nesterov, dampening, weight_decay or maximize): loaded, the run would
-        go on with another update rule, in silence."""
-        for gi, group in enumerate(state_dict.get("param_groups", [])):
+    def __setstate__(self, state: dict) -> None:
+        """torch's (load_state_dict ends here, after its pre-hooks, having changed nothing before), after
+        refusing groups that ask for what this SGD does not do (a torch.optim.SGD or FusedSGD state dict with
+        nesterov, dampening, weight_decay or maximize: loaded, the run would go on with another update rule,
+        in silence); then a group saved without some of our keys (a torch.optim.SGD state dict: no fmt,
+        rounding or seed; a seed of None) takes them from the defaults, and a one-element tensor step (a
+        FusedSGD state dict's float32 count) becomes the int this optimizer counts in."""
+        for gi, group in enumerate(state.get("param_groups", [])):
             for key, plain in (("nesterov", False), ("dampening", 0), ("weight_decay", 0), ("maximize", False)):
                 if group.get(key, plain) != plain:
                     raise ValueError(f"param group {gi} of the state dict has {key}={group[key]!r}, which FixedPointSGD "
                                      f"does not implement (its update is w - lr * (momentum * m + g)); nothing was loaded")
-        super().load_state_dict(state_dict)
-
-    def __setstate__(self, state: dict) -> None:
-        """torch's (load_state_dict ends here), then: a group saved without some of our keys (a torch.optim.SGD
-        state dict: no fmt, rounding or seed; a seed of None) takes them from the defaults, and a one-element tensor step (a
-        FusedSGD state dict's float32 count) becomes the int this optimizer counts in."""
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self.defaults.items():

@@ -718,7 +718,8 @@ def test_a_full_step_after_planned_ones_does_not_compare_the_masters_again(monke
     real = _base._follow_writes
 
     def follow(followed, seen):
-        compared.extend(p for p, *_ in followed if seen.get(p) != p._version)
+        compared.extend(p for p, master, remainder, _ in followed
+                        if seen.get(_base._seen_key(master, remainder)) != _base._seen_value(p))
         return real(followed, seen)
 
     monkeypatch.setattr(_base, "_follow_writes", follow)
@@ -740,3 +741,23 @@ def test_a_full_step_after_planned_ones_does_not_compare_the_masters_again(monke
     set_grads(ps, 5)
     opt.step()
     assert [p is ps[1] for p in compared] == [True]
+
+
+def test_a_param_swapped_or_given_new_data_is_followed(monkeypatch):
+    # torch.utils.swap_tensors (module.to() and load_state_dict under set_swap_module_params_on_conversion)
+    # refuses a tensor that something holds a weak reference to, and gives the param a TensorImpl whose
+    # counter may hold any count: the steps note counts by the master, with the param's memory
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    m = torch.nn.Linear(4, 2, bias=False).half()
+    opt = FusedSGD(m.parameters(), lr=0.0)  # lr 0: the params keep their values, only the masters matter
+    taken = spy_plan(opt)
+    for step in range(2):
+        m.weight.grad = torch.ones_like(m.weight)
+        opt.step()
+    m.load_state_dict({"weight": torch.full((2, 4), 0.5, dtype=torch.float16)})
+    m.weight.grad = torch.ones_like(m.weight)
+    opt.step()
+    assert taken == [False, True, False] and torch.equal(m.weight, torch.full((2, 4), 0.5, dtype=torch.float16))
+    m.weight.data = torch.full((2, 4), 0.25, dtype=torch.float16)  # another storage, its own counter kept
+    opt.step()
+    assert taken[-1] is False and torch.equal(m.weight, torch.full((2, 4), 0.25, dtype=torch.float16))

@@ -554,9 +554,11 @@ def test_params_over_the_same_memory_are_rejected(name):
     opt.add_param_group(dict(params=[late]))
     with pytest.raises(ValueError, match="param 0 of param group 3 and param 0 of param group 2"):
         opt.add_param_group(dict(params=[torch.nn.Parameter(other[:6])]))
-    # what a step never writes or refuses itself is not compared: a frozen tie, a sparse or mkldnn param
-    PAIRS[name][0]([w, torch.nn.Parameter(w, requires_grad=False), torch.nn.Parameter(torch.zeros(3).to_sparse()),
-                    torch.nn.Parameter(torch.zeros(2, 3).to_mkldnn())])
+    # a frozen tie is compared too (it may be unfrozen later); what the step refuses itself (a sparse or
+    # mkldnn param) is left to the step
+    with pytest.raises(ValueError, match="different tensors over the same memory"):
+        PAIRS[name][0]([w, torch.nn.Parameter(w, requires_grad=False)])
+    PAIRS[name][0]([w, torch.nn.Parameter(torch.zeros(3).to_sparse()), torch.nn.Parameter(torch.zeros(2, 3).to_mkldnn())])
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -610,9 +612,24 @@ def test_an_inference_tensor_param_is_refused_before_anything_is_written(dtype):
     for _ in range(2):  # the full path, then the planned one
         opt.step()
     assert torch.equal(q, torch.full((3,), -1.0, dtype=dtype))
-    with pytest.raises(ValueError, match=r"grads\[0\] is an inference tensor"):
-        opt.step(scaling=StepScaling(inv_scale=torch.ones(1)))
-    assert torch.equal(q, torch.full((3,), -1.0, dtype=dtype))
+    with pytest.raises(ValueError, match=r"grads\[0\] is an inference tensor"):  # (the operator itself)
+        torch.ops.mpfused.optim_step_("sgd", [q], [q.grad], [], [], [], [], [], [], [], [], 0.1, None,
+                                      [0.0, 0.0, 0.0, 0.0, 0.0], [], torch.ones(1), None, None, 0.0, None, None, True,
+                                      "nearest", 0, [])
+    # ... and the step before any group is written: here group 0 (a plain grad) comes first, and a grad
+    # laid out unlike its param would be written back through a copy after the kernel
+    first = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    first.grad = torch.ones(3, dtype=dtype)
+    r = torch.nn.Parameter(torch.zeros(2, 3, dtype=dtype))
+    with torch.inference_mode():
+        r.grad = torch.ones(3, 2, dtype=dtype).t()
+    for params in ([[first], [q]], [[r]]):
+        opt = FusedSGD([dict(params=ps) for ps in params], lr=0.5)
+        before = [p.detach().clone() for ps in params for p in ps]
+        with pytest.raises(RuntimeError, match="its grad is an inference tensor"):
+            opt.step(scaling=StepScaling(inv_scale=torch.ones(1)))
+        assert all(torch.equal(p, b) for p, b in zip((p for ps in params for p in ps), before))
+        assert not any(opt.state[p] for ps in params for p in ps)
     # the operator refuses one too (the planned path calls it from C++), before writing
     g = torch.ones(3, dtype=dtype)
     with pytest.raises(ValueError, match=r"params\[0\] is an inference tensor"):

@@ -247,13 +247,13 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def _memory_spans(params, gi: int) -> list:
     """((device, storage address), (first byte, end byte, gi, i)) of each param of ``params`` (group ``gi``)
-    that a step could write: a plain dense strided tensor that requires grad and holds memory; the bytes its
-    elements span in its storage (FusedOptimizer._check_no_overlap). (A frozen param is never stepped; a
+    that a step could write: a plain dense strided tensor that holds memory, frozen or not (it may be
+    unfrozen later); the bytes its elements span in its storage (FusedOptimizer._check_no_overlap). (A
     sparse, non-dense or meta one is refused by the step itself.)"""
     out = []
     for i, p in enumerate(params):
-        if (not isinstance(p, torch.Tensor) or not is_plain_tensor(p) or not p.requires_grad or p.numel() == 0
-                or p.layout != torch.strided or p.is_nested or p.device.type == "meta" or not is_dense(p)):
+        if (not isinstance(p, torch.Tensor) or not is_plain_tensor(p) or p.numel() == 0 or p.layout != torch.strided
+                or p.is_nested or p.device.type == "meta" or not is_dense(p)):
             continue
         lo = hi = p.storage_offset()
         for size, stride in zip(p.shape, p.stride()):
@@ -403,6 +403,20 @@ def _followed(params: list, states: list, stochastic: bool) -> tuple:
     return tuple(out)
 
 
+def _seen_key(master, remainder) -> torch.Tensor:
+    """What _follow_writes notes a param's count under: its master (or remainder), held weakly: a weak
+    reference to the param itself would make torch.utils.swap_tensors refuse it (module.to() and
+    load_state_dict under torch.__future__.set_swap_module_params_on_conversion(True)), and a new master
+    (a loaded state) is a param not yet seen."""
+    return master if master is not None else remainder
+
+
+def _seen_value(p: torch.Tensor) -> tuple:
+    """A param's version counter and its memory: a swap_tensors or a ``p.data = ...`` gives it another
+    TensorImpl or storage, whose counter may hold any count."""
+    return p._version, p.data_ptr()
+
+
 def _follow_writes(followed: tuple, seen) -> None:
     """Where code outside the step wrote a param that keeps an FP32 master (``model.load_state_dict``, an
     ``init_`` or a ``clamp_`` under no_grad, a broadcast), the elements it changed keep what was written:
@@ -419,7 +433,8 @@ def _follow_writes(followed: tuple, seen) -> None:
     that clips no row, a compiled step's copy-back) and the elements a write left alone keep their masters'
     low bits. With stochastic rounding a write that lands on one of the master's two neighbours (a clamp_
     to a bound less than a step below the master) looks like the step's own rounding and is not followed.
-    Not seen: writes through ``.data`` (a tensor with a version counter of its own), and DTensor and other
+    Not seen: in-place writes through ``.data`` (a tensor with a version counter of its own; an assignment
+    ``p.data = t`` is seen, by the param's memory), and DTensor and other
     subclass params (FSDP's flat params).
 
     A BF16 remainder: the param's bits are the master's high half, so a written value stands, with the old
@@ -431,10 +446,10 @@ def _follow_writes(followed: tuple, seen) -> None:
     The full path calls this, after every check and before the kernels; the planned path leaves a step
     whose params with masters or remainders moved to the full path (_StepPlan)."""
     for p, master, remainder, stochastic in followed:
-        v = p._version
-        if seen.get(p) == v:
+        key, v = _seen_key(master, remainder), _seen_value(p)
+        if seen.get(key) == v:
             continue
-        seen[p] = v
+        seen[key] = v
         with torch.no_grad():
             q = p.detach()
             cpu = q.device.type == "cpu"
@@ -817,7 +832,7 @@ class FusedOptimizer(Optimizer):
         spans are rebuilt where the groups before are not those they were taken from (a group removed, or
         added and then refused by a later check)."""
         groups = self.param_groups
-        made_from = tuple((id(g), len(g["params"])) for g in groups[:index])
+        made_from = tuple((id(g), tuple(map(id, g["params"]))) for g in groups[:index])
         cached = self.__dict__.pop("_mpf_spans", None)
         if cached is not None and cached[0] == made_from:
             table = cached[1]
@@ -849,7 +864,7 @@ class FusedOptimizer(Optimizer):
                     reach_new = b
         for key, spans in new.items():
             table.setdefault(key, []).extend(spans)
-        self.__dict__["_mpf_spans"] = (made_from + ((id(groups[index]), len(groups[index]["params"])),), table)
+        self.__dict__["_mpf_spans"] = (made_from + ((id(groups[index]), tuple(map(id, groups[index]["params"]))),), table)
 
     def _span_still(self, span: tuple, key: tuple) -> bool:
         groups = self.param_groups
@@ -904,8 +919,8 @@ class FusedOptimizer(Optimizer):
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _param_versions(self) -> WeakIdKeyDictionary:
-        """Each param's version counter when the last step saw it (_follow_writes), keyed by identity and
-        held weakly: a param dropped from the optimizer is not kept alive."""
+        """Each followed param's version counter and memory when the last step saw it (_follow_writes), keyed
+        by its master or remainder (_seen_key), held weakly: a state dropped is not kept alive."""
         versions = self.__dict__.get("_mpf_versions")
         if versions is None:
             versions = self.__dict__["_mpf_versions"] = WeakIdKeyDictionary()
@@ -1125,6 +1140,18 @@ class FusedOptimizer(Optimizer):
         # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        if write_grad and not compiling and not torch.is_inference_mode_enabled():
+            # an inference grad cannot be written back outside inference mode: refused before any group is
+            # written (the operator refuses it too, but only for its own call's groups)
+            for group, params, dtensors in work:
+                for p in params:
+                    if _dist.local(p.grad).is_inference() if dtensors else p.grad.is_inference():
+                        i = next(j for j, q in enumerate(group["params"]) if q is p)
+                        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
+                        raise RuntimeError(
+                            f"param {i} of param group {gi}: its grad is an inference "
+                            "tensor (made under torch.inference_mode()), which this step would write back unscaled; "
+                            "make the grad outside inference mode, or step without a scaler")
         plannable = not torch.compiler.is_compiling()
         for group, params, dtensors in work:
             buckets: dict[torch.device, list] = defaultdict(list)
@@ -1149,8 +1176,8 @@ class FusedOptimizer(Optimizer):
                                  self._counter(device), write_grad, sr)
                 if followed:  # the kernel counted its writes (csrc/torch/optim.cpp): they are the step's own
                     seen = self._param_versions()
-                    for p, *_ in followed:
-                        seen[p] = p._version
+                    for p, master, remainder, _ in followed:
+                        seen[_seen_key(master, remainder)] = _seen_value(p)
                 for p, g in zip(ps, grads):
                     if g is not p.grad:  # the grad went through a copy
                         plannable = False
@@ -1177,8 +1204,8 @@ class FusedOptimizer(Optimizer):
                 continue
             seen = self._param_versions() if seen is None else seen
             for p, master, remainder in zip(written, gp.layout_entries[-3], gp.layout_entries[-2]):
-                if (master is not None or remainder is not None) and p in seen:
-                    seen[p] = p._version
+                if (master is not None or remainder is not None) and _seen_key(master, remainder) in seen:
+                    seen[_seen_key(master, remainder)] = _seen_value(p)
 
     def _planned_step(self, scaling: StepScaling) -> bool:
         """The step on the plan the last step left (_StepPlan), when this one repeats that step's structure;
