@@ -428,8 +428,11 @@ class GradScaler(torch.amp.GradScaler):
                 factor = inv if (unscale and inv is not None) else torch.ones((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, factor)
                 if s is not None:
-                    # FP32 norms: an FP16 norm of scaled grads overflows to inf past 65504
-                    part = torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
+                    # FP32 norms: an FP16 norm of scaled grads overflows to inf past 65504 (FP64 grads: their
+                    # own norms, which _foreach_norm will not narrow, summed in FP64)
+                    wide = grads[0].dtype == torch.float64
+                    part = torch.stack(torch._foreach_norm(grads, dtype=None if wide else torch.float32)).square().sum()
+                    part = part.float() if wide else part
                     s.add_(part if (unscale or inv is None) else part * inv * inv)
             if sumsq:
                 s = copy_to(s, home)
@@ -545,20 +548,50 @@ class GradScaler(torch.amp.GradScaler):
     @staticmethod
     def _clip_coef(sumsq: torch.Tensor, max_norm: float) -> torch.Tensor:
         # torch.nn.utils.clip_grad_norm_'s coefficient; the fused kernels compute the same from sumsq
+        # (max_norm inf: 1, no clip, whatever the norm: core/optim/common.h clip_coefficient)
+        if math.isinf(max_norm):
+            return torch.ones((), dtype=torch.float32, device=sumsq.device)
         return (max_norm / (sumsq.sqrt() + 1e-6)).clamp(max=1.0)
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    @staticmethod
+    def _check_finite_norm(norm: torch.Tensor, norm_type: float) -> None:
+        # error_if_nonfinite=True: torch's check and text (a read of the norm on the host, as torch's)
+        if norm is not None and not bool(torch.isfinite(norm).all()):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
+                               "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                               "norm anyway, set `error_if_nonfinite=False`")
+
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
         """Clips the optimizer's gradients to a global norm of ``max_norm`` and returns the unscaled
         global norm as a device tensor (no sync).
 
         With a fused optimizer and the 2-norm, the norm comes from the overflow pass itself and the clip
         coefficient is applied inside the fused update (or by unscale_(), if it is called next): no extra
-        pass over the gradients. Otherwise the gradients are unscaled and clipped in place
+        pass over the gradients, and ``p.grad`` keeps its scaled values until then (the step writes back
+        the unscaled, clipped ones). Otherwise the gradients are unscaled and clipped in place
         (torch.nn.utils.clip_grad_norm_, or with a process_group a global 2-norm clip).
+
+        ``max_norm``: a number >= 0 (``inf``: the norm alone, no clip, as torch's), or a one-element CPU
+        tensor; NaN and negative values, which torch takes into NaN or sign-flipped grads, raise.
+        ``error_if_nonfinite`` and ``foreach`` as torch's (the first reads the norm on the host: a sync, as
+        in torch; the second only matters where torch's clip runs).
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0.0 <= max_norm < math.inf:
-            raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (the scaler clips the grads of its params, "
+                            f"and defers the clip into its step), got {type(optimizer).__name__}; "
+                            "torch.nn.utils.clip_grad_norm_ is the one that takes params")
+        if isinstance(max_norm, torch.Tensor):
+            if max_norm.numel() != 1 or max_norm.device.type != "cpu" or max_norm.is_complex():
+                raise ValueError(f"max_norm must be a number or a one-element CPU tensor (reading a device tensor "
+                                 f"would sync the host), got a tensor of shape {tuple(max_norm.shape)} on {max_norm.device}")
+            max_norm = max_norm.item()
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0.0 <= float(max_norm):
+            raise ValueError(f"max_norm must be a number >= 0 (inf: no clip), got {max_norm!r}")
+        max_norm = float(max_norm)
         norm_type = float(norm_type)
+        if self._process_group is not None and norm_type != 2.0:  # (before unscale_ below writes the grads)
+            raise ValueError(f"with a process_group only norm_type=2.0 is supported, got {norm_type}")
         state = self._per_optimizer_states[id(optimizer)] if self._enabled else {"stage": OptState.READY}
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
@@ -571,8 +604,10 @@ class GradScaler(torch.amp.GradScaler):
                 buckets, mesh = self._collect(optimizer, True, for_norm=True)
                 found, sums, norm = self._pass(buckets, self._inv_scale, unscale=False, sumsq=True)
                 total, norm = self._all_reduce(found, mesh, sums, norm)
+                if error_if_nonfinite:  # (before anything is recorded: the grads are untouched)
+                    self._check_finite_norm(norm, norm_type)
                 state["found_inf_per_device"] = found
-                clip["sumsq"], clip["max_norm"] = total, float(max_norm)
+                clip["sumsq"], clip["max_norm"] = total, max_norm
                 return norm
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
@@ -581,13 +616,15 @@ class GradScaler(torch.amp.GradScaler):
         sharded = self._device_mesh is not None or any(_dist.is_dtensor(p.grad) for p in params)
         if self._process_group is None and (not sharded or norm_type != 2.0):
             # torch's clip (which reads DTensor grads' placements itself)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
         if norm_type != 2.0:
             raise ValueError(f"with a process_group only norm_type=2.0 is supported, got {norm_type}")
         # Global 2-norm of the (now unscaled) gradients across ranks, then scale them in place.
         buckets, mesh = self._collect(optimizer, True, for_norm=True)
         found, sums, norm = self._pass(buckets, None, unscale=False, sumsq=True)
         total, norm = self._all_reduce(found, mesh, sums, norm)
+        if error_if_nonfinite:
+            self._check_finite_norm(norm, norm_type)
         if self._enabled:
             recorded = state["found_inf_per_device"]
             for device, f in found.items():

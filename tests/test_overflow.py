@@ -408,6 +408,23 @@ def test_a_call_that_fails_writes_nothing(device):
         assert torch.equal(g.isnan(), b.isnan()) and torch.equal(g.nan_to_num(), b.nan_to_num())
 
 
+def test_outputs_that_share_memory_with_another_argument_are_refused_before_writing(device):
+    # found_inf == sumsq left the flag holding the sum (every step then reads as an overflow); a sumsq in a
+    # grad's memory corrupted the grad
+    g = torch.full((8,), 4.0, device=device)
+    buf = torch.zeros(4, device=device)
+    cases = [(dict(found_inf=buf[:1], sumsq=buf[:1]), "sumsq must not overlap found_inf"),
+             (dict(found_inf=buf[:1], sumsq=buf[1:2], norm=buf[1:2]), "norm must not overlap sumsq"),
+             (dict(found_inf=buf[:1], inv_scale=buf[:1], unscale=True), "found_inf must not overlap inv_scale"),
+             (dict(found_inf=g[3:4]), r"found_inf must not overlap tensors\[0\]"),
+             (dict(found_inf=buf[:1], sumsq=g[:1]), r"sumsq must not overlap tensors\[0\]")]
+    for kwargs, message in cases:
+        kwargs.setdefault("inv_scale", torch.ones(1, device=device))
+        with pytest.raises(ValueError, match=message):
+            mpfused.non_finite_check_([g], **kwargs)
+        assert torch.equal(g, torch.full((8,), 4.0, device=device)) and not buf.any()
+
+
 def test_tensor_subclasses_raise_type_error_before_anything_is_written(device):
     """A wrapper subclass (DTensor's kind) has no memory the kernel can address: a TypeError, no crash."""
     from torch.testing._internal.two_tensor import TwoTensor

@@ -227,6 +227,49 @@ def test_setters_of_a_disabled_scaler_store_their_values_as_torchs_do(cls):
             enabled.set_growth_interval(0)
 
 
+def clip_run(device, opt_cls, max_norm, **kwargs):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6, device=device))
+    scaler = mpfused.GradScaler(device, init_scale=1024.0)
+    opt = opt_cls([p], lr=1.0)
+    scaler.scale((p * torch.arange(6.0, device=device)).sum()).backward()
+    norm = scaler.clip_grad_norm_(opt, max_norm, **kwargs)
+    scaler.step(opt)
+    scaler.update()
+    return norm, p.detach()
+
+
+@pytest.mark.parametrize("opt_cls", [FusedSGD, torch.optim.SGD])
+def test_clip_takes_what_torchs_clip_takes(device, opt_cls):
+    np = pytest.importorskip("numpy")
+    # inf: the norm alone, no clip (torch's idiom for logging the norm); numpy numbers and CPU tensors
+    norm, p = clip_run(device, opt_cls, float("inf"))
+    norm0, p0 = clip_run(device, torch.optim.SGD, 1e30)
+    assert torch.equal(norm, norm0) and torch.equal(p, p0) and float(norm) == pytest.approx(55**0.5)
+    for max_norm in (np.float32(0.5), torch.tensor(0.5), 0.5):
+        norm, p = clip_run(device, opt_cls, max_norm)
+        assert torch.equal(p, clip_run(device, torch.optim.SGD, 0.5)[1])
+    for bad in (float("nan"), -1.0, torch.tensor([0.5, 1.0])):
+        with pytest.raises(ValueError, match="max_norm must be"):
+            clip_run(device, opt_cls, bad)
+    with pytest.raises(TypeError, match="torch.nn.utils.clip_grad_norm_ is the one that takes params"):
+        mpfused.GradScaler(device).clip_grad_norm_([torch.nn.Parameter(torch.ones(2, device=device))], 1.0)
+
+
+@pytest.mark.parametrize("opt_cls", [FusedSGD, torch.optim.SGD])
+def test_clip_error_if_nonfinite_raises_as_torchs(device, opt_cls):
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    scaler = mpfused.GradScaler(device)
+    opt = opt_cls([p], lr=1.0)
+    scaler.scale((p * float("inf")).sum()).backward()
+    with pytest.raises(RuntimeError, match="The total norm of order 2.0 for gradients from `parameters` is non-finite"):
+        scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True, foreach=None)
+    scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=False)  # (the fused path recorded nothing: again)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.ones(2, device=device)) and scaler.get_scale() == 2.0**15
+
+
 def test_scale_handles_nested_outputs(device):
     scaler = mpfused.GradScaler(device, init_scale=4.0)
     a, b, c = (torch.ones(2, device=device) * k for k in (1, 2, 3))
@@ -576,6 +619,28 @@ def test_disabled_scaler_clips_across_a_process_group_of_one(tmp_path):
         p.grad = torch.full_like(p, 2.0)
         norm = scaler.clip_grad_norm_(FusedSGD([p]), 1.0)
         assert norm.item() == 4.0 and p.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_clip_of_float64_grads_and_its_norm_type_check(tmp_path):
+    # _foreach_norm(dtype=float32) refuses to narrow FP64 grads: the clip failed after unscaling them; a
+    # norm_type it cannot take is refused before the grads are unscaled
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+        for sharding in ("replicated", "sharded"):
+            scaler = mpfused.GradScaler("cpu", init_scale=4.0, process_group=dist.group.WORLD, grad_sharding=sharding)
+            opt = torch.optim.SGD([p], lr=1.0)
+            scaler.scale(torch.ones(()))
+            p.grad = torch.full_like(p, 8.0)  # 2.0 unscaled: norm 4
+            with pytest.raises(ValueError, match="only norm_type=2.0"):
+                scaler.clip_grad_norm_(opt, 1.0, norm_type=1.0)
+            assert torch.equal(p.grad, torch.full_like(p, 8.0))
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            assert norm.item() == pytest.approx(4.0) and p.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-6)
     finally:
         dist.destroy_process_group()
 

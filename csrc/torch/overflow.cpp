@@ -44,6 +44,31 @@ void check_impl(at::TensorList tensors, const at::Tensor& found_inf, const std::
     if (t.numel() == 0) continue;
     refs.push_back({t.data_ptr(), t.numel(), d});
   }
+  // The outputs are written while the tensors and inv_scale are read (and found_inf, sumsq and norm are
+  // read back): none may share memory with another, or the flag would hold a sum (every step then looks
+  // like an overflow) and a grad a partial sum. (Two tensors that overlap are each checked and unscaled, as
+  // torch's op does them.) A test of addresses per tensor and output: no allocation on the hot path.
+  const auto overlaps = [](const at::Tensor& a, const at::Tensor& b) {
+    const auto* ab = static_cast<const char*>(a.data_ptr());
+    const auto* bb = static_cast<const char*>(b.data_ptr());
+    return a.numel() > 0 && b.numel() > 0 && ab < bb + b.numel() * b.element_size() &&
+           bb < ab + a.numel() * a.element_size();
+  };
+  const at::Tensor* outs[4] = {&found_inf, sumsq ? &*sumsq : nullptr, norm ? &*norm : nullptr,
+                               counter ? &*counter : nullptr};
+  const char* out_names[4] = {"found_inf", "sumsq", "norm", "counter"};
+  for (int a = 0; a < 4; ++a) {
+    if (!outs[a]) continue;
+    for (int b = a + 1; b < 4; ++b)
+      if (outs[b] && overlaps(*outs[a], *outs[b]))
+        fail(std::string(out_names[b]) + " must not overlap " + out_names[a] + " (each is written)");
+    if (inv_scale && overlaps(*inv_scale, *outs[a]))
+      fail(std::string(out_names[a]) + " must not overlap inv_scale (it is written while inv_scale is read)");
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (overlaps(tensors[i], *outs[a]))
+        fail(std::string(out_names[a]) + " must not overlap tensors[" + std::to_string(i) +
+             "] (it is written while the tensors are read)");
+  }
 
   mpf::OverflowArgs args{refs.data(),
                          static_cast<int64_t>(refs.size()),
