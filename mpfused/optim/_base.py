@@ -385,9 +385,9 @@ def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
 
 
 def _step_versions(params: list, entries: list) -> bytes:
-    """_C.step_versions: the version counters of the plain params with a master or a remainder (the
-    entries' last two lists before the step counters): a write from outside the step moves one, and the
-    step then takes the full path, which makes the masters follow it (_follow_writes)."""
+    """_C.step_versions: the version counters and data pointers of the plain params with a master or a
+    remainder (the entries' last two lists before the step counters): a write from outside the step moves
+    one, and the step then takes the full path, which makes the masters follow it (_follow_writes)."""
     return _ops._C.step_versions(params, entries[-3], entries[-2])
 
 
@@ -425,8 +425,7 @@ def _follow_writes(followed: tuple, seen) -> None:
 
     Which params to look at: those whose version counter moved since the last step saw them (every in-place
     op on a param moves it; the step's kernel does too, and the step then records the new count), or that it
-    never saw (masters made before the
-    params were loaded; a loaded optimizer state). Which elements: those where the param is no longer what
+    never saw (masters made before the params were loaded; a loaded optimizer state). Which elements: those where the param is no longer what
     the step wrote from the master, its rounding (to nearest; with stochastic rounding, one of the master's
     two neighbours in the param's dtype, or infinity where the master lies beyond the largest finite
     value). So a write that changes nothing (an EMA swapped in and back, an Embedding's max_norm renorm
@@ -508,8 +507,9 @@ class _StepPlan:
     repeats all of these (the same state dicts holding the same tensors, compared by identity) takes the
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
-    ``.data``; and the version counter of a plain param with an FP32 master or a remainder, which a write
-    from outside the step moves: the full path then makes its master follow, _follow_writes) and every group's values before the first kernel call (a value that is the very object
+    ``.data``; in ``_C.step_versions``, the version counter and memory of a plain param with an FP32 master
+    or a remainder, which a write from outside the step moves: the full path then makes its master follow,
+    _follow_writes) and every group's values before the first kernel call (a value that is the very object
     last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
     checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
     the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
