@@ -241,6 +241,34 @@ __device__ __forceinline__ typename Storage<D>::type store_param(float x, uint32
   else return Storage<D>::store(x);
 }
 
+// A vector of FP16 params rounded stochastically (words: each element's 16 random bits on top). Where no
+// element needs float_to_f16_bits_sr's general formula (core/stochastic.h's f16_sr_normal_range: below
+// 2^-14, zero or NaN, rare among weights), the normal-range form: an add and a mask an element and one
+// conversion a pair (cvt.rn.f16x2.f32; exact, the value is on the grid), after one compare an element. The
+// general formula takes about 17 integer instructions an element. The branch is the thread's: a warp runs the general formula only where one of
+// its lanes needs it, and the bits are the same either way.
+template <int N>
+__device__ __forceinline__ Pack<uint16_t, N> f16_sr_vec(const Pack<float, N>& x, const uint32_t* words) {
+  static_assert(N % 2 == 0, "pairs of elements");
+  bool normal = true;
+#pragma unroll
+  for (int e = 0; e < N; ++e) normal &= f16_sr_normal_range(x.v[e]);
+  Pack<uint16_t, N> out;
+  if (normal) {
+#pragma unroll
+    for (int e = 0; e < N; e += 2) {
+      const __half2 h = __floats2half2_rn(f16_sr_normal_input(float_as_bits(x.v[e]), words[e]),
+                                          f16_sr_normal_input(float_as_bits(x.v[e + 1]), words[e + 1]));
+      out.v[e] = __half_as_ushort(__low2half(h));
+      out.v[e + 1] = __half_as_ushort(__high2half(h));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out.v[e] = float_to_f16_bits_sr(x.v[e], words[e]);
+  }
+  return out;
+}
+
 // kWs: where the FP32 weight comes from, a template argument so that each loop holds only its own loads,
 // stores and conversions (with the source chosen at run time, the BF16 loops carried the remainders' join
 // and split beside the plain conversion: 873 instructions for two vectors of AdamW on sm_90 where FP16's
@@ -330,6 +358,8 @@ __device__ __forceinline__ void process_chunk(const OptimLaunch& a, int slot, in
           d.rv.v[e] = split_master_lo(u, out.v[e]);
         }
         store_vec(rem + i, d.rv);
+      } else if constexpr (sr && D == DType::kFloat16) {
+        out = f16_sr_vec(d.pv, words);
       } else {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) out.v[e] = store_param<D, sr>(d.pv.v[e], sr ? words[e] : 0u);

@@ -148,6 +148,34 @@ void grid_values_unchanged() {
   CHECK(float_to_f16_bits_sr(65536.f, 0) == 0x7c00 && float_to_f16_bits_sr(1e30f, 0) == 0x7c00, "fp16 >= 2^16: inf");
 }
 
+// core/stochastic.h's normal-range form (the CUDA optimizer's FP16 write-back takes it for a vector whose
+// elements are all in range): where f16_sr_normal_range(x), rounding f16_sr_normal_input(u, r) to nearest
+// (float_to_f16_bits: bit-exact with cvt.rn.f16.f32 for every non-NaN input) gives float_to_f16_bits_sr's
+// bits; the range is |x| >= 2^-14 and no NaN. FP32 bit patterns in a prime stride over all of them, and each
+// binade's edges (its first and last patterns, and the patterns around a carry out of the 13 dropped bits).
+void f16_normal_range_form() {
+  std::vector<uint32_t> us;
+  for (uint64_t u = 0; u <= 0xffffffffu; u += 4099) us.push_back(static_cast<uint32_t>(u));
+  for (uint32_t e = 0; e < 256; ++e)
+    for (uint32_t m : {0u, 1u, 0x1fffu, 0x2000u, 0x7fe000u, 0x7fdfffu, 0x7fffffu})
+      for (uint32_t sign : {0u, 0x80000000u}) us.push_back(sign | e << 23 | m);
+  int bad = 0, range_bad = 0;
+  long in_range = 0;
+  for (uint32_t u : us) {
+    const float x = bits_as_float(u);
+    const uint32_t a = u & 0x7fffffffu;
+    const bool normal = f16_sr_normal_range(x);
+    range_bad += normal != (a >= 0x38800000u && a <= 0x7f800000u);
+    if (!normal) continue;
+    ++in_range;
+    for (uint32_t r : {0u, 0xffff0000u, 0x00080000u, 0xfff80000u, 0x8a5c0000u, (u * 2654435761u) & 0xffff0000u})
+      bad += float_to_f16_bits(f16_sr_normal_input(u, r)) != float_to_f16_bits_sr(x, r);
+  }
+  CHECK(range_bad == 0, "%d patterns on the wrong side of f16_sr_normal_range", range_bad);
+  CHECK(bad == 0, "%d roundings differ from float_to_f16_bits_sr", bad);
+  CHECK(in_range > 100000, "only %ld patterns in range", in_range);
+}
+
 }  // namespace
 
 int main() {
@@ -156,5 +184,6 @@ int main() {
   backend_rounding();
   rounding_counts();
   grid_values_unchanged();
+  f16_normal_range_form();
   return native_test::finish("test_random");
 }

@@ -336,6 +336,13 @@ inline __half __float2half_rn(float f) {
   if (std::isnan(f)) return __half{0x7fff};
   return __half{static_cast<unsigned short>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
 }
+// cvt.rn.f16x2.f32: a to the low half, b to the high half (each as __float2half_rn).
+struct __half2 {
+  __half x, y;
+};
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__float2half_rn(a), __float2half_rn(b)}; }
+inline __half __low2half(__half2 h) { return h.x; }
+inline __half __high2half(__half2 h) { return h.y; }
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.__x; }
 inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<unsigned int>(h.__x) << 16); }
