@@ -36,7 +36,7 @@ from torch import nn
 from ._layout import like, same_layout
 from ._ops import has_cuda_kernels
 from .optim import FusedAdam, FusedAdamW, FusedSGD
-from .optim._base import FusedOptimizer
+from .optim._base import FusedOptimizer, split_master
 from .scaler import GradScaler
 
 __all__ = ["initialize", "properties", "AmpProperties", "OPT_LEVELS", "NORM_LAYERS"]
@@ -302,7 +302,9 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
 
     Overrides (None: the level's default): ``keep_batchnorm_fp32`` (O2/O3); ``loss_scale``: "dynamic"
     or a positive number, a static scale; ``master_weights``: whether the fused optimizer keeps FP32
-    masters for the low-precision params.
+    masters for the low-precision params, for every param group. Left None, a fused optimizer's group that
+    set its own ``master_weights`` (True, False or ``"remainder"``, which needs ``dtype=torch.bfloat16``)
+    keeps it, and the others take the level's; masters and remainders start from the exact FP32 values.
 
     The scaler is an ``mpfused.GradScaler`` on the model's device: dynamic, static
     (``dynamic=False`` at the given scale) or, for a scale of exactly 1, disabled (``scale`` returns the
@@ -372,6 +374,21 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                 f"{opt_level} keeps FP32 master weights inside a fused optimizer, and {type(opt).__name__} cannot "
                 "be converted to one: use torch.optim.Adam, AdamW or SGD, or mpfused.optim.FusedAdam, FusedAdamW "
                 "or FusedSGD (or pass master_weights=False to update the low-precision params directly)")
+    # A fused optimizer's group that chose its precision itself (master_weights True, False or "remainder"
+    # rather than the default None) keeps it at a level that casts the model, unless initialize's
+    # master_weights is given, which sets every group (as apex's keyword sets the level's): "remainder"
+    # then needs the model cast to BF16.
+    def keeps_own(group: dict) -> bool:
+        return props.cast_model and master_weights is None and group.get("master_weights") is not None
+
+    for k, opt in enumerate(optimizers):
+        if isinstance(opt, FusedOptimizer):
+            for gi, group in enumerate(opt.param_groups):
+                if keeps_own(group) and group["master_weights"] == "remainder" and props.dtype != torch.bfloat16:
+                    raise ValueError(
+                        f"param group {gi} of optimizer {k} has master_weights='remainder', which keeps BF16 params' "
+                        f"masters, but {opt_level} casts the model to {props.dtype}: pass dtype=torch.bfloat16, or "
+                        "set that group's master_weights to True (or pass master_weights= to initialize)")
     device = _model_device(model)
     fused_needed = any(isinstance(o, FusedOptimizer) or type(o) in _CONVERTIBLE for o in optimizers)
     scaler_enabled = props.loss_scale != 1.0
@@ -387,7 +404,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     for opt in converted:
         if isinstance(opt, FusedOptimizer):
             for group in opt.param_groups:
-                group["master_weights"] = group_masters
+                if not keeps_own(group):
+                    group["master_weights"] = group_masters
 
     # ---- the model ----
     if props.cast_model:
@@ -406,7 +424,10 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                                                  output_from=(torch.float32,))
                 continue
             originals.update(_cast_module_(module, props.dtype, seen))
-        # The exact FP32 values become the master copies (not the rounded low-precision params).
+        # The exact FP32 values become the master copies (not the rounded low-precision params); with
+        # master_weights="remainder", the param and its remainder that hold them (the param then differs
+        # from the cast only where the value lies halfway between two BF16 values: the split rounds ties
+        # away from zero).
         for opt in converted:
             if not isinstance(opt, FusedOptimizer):
                 continue
@@ -416,7 +437,15 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                 for p in group["params"]:
                     if p in originals:
                         o = originals[p]  # FP32; the master needs the param's memory layout
-                        opt.state[p]["master_param"] = o if same_layout(o, p) else like(o, p, torch.float32)
+                        state = opt.state[p]
+                        if group["master_weights"] == "remainder" and p.dtype == torch.bfloat16:
+                            hi, state["master_remainder"] = split_master(o, p)
+                            with torch.no_grad():
+                                p.copy_(hi)
+                            state.pop("master_param", None)
+                        else:
+                            state["master_param"] = o if same_layout(o, p) else like(o, p, torch.float32)
+                            state.pop("master_remainder", None)
         model.forward = _CastingForward(
             model, input_dtype=props.dtype if props.cast_inputs else None,
             output_dtype=torch.float32 if props.outputs_fp32 else None, output_from=_LOW_DTYPES)

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from mpfused import amp
 from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from mpfused.optim._base import join_master, split_master
 from tolerances import AMP_O2_VS_O0_LOSS_ATOL, OPTIM_FP32_ATOL
 
 LEVELS = ["O0", "O1", "O2", "O3"]
@@ -268,6 +269,75 @@ def test_master_weights_override(device, level, master_weights, expect):
     iteration(model, opt, scaler, x, y)
     low = [p for p in model.parameters() if p.dtype == torch.float16]
     assert low and all(("master_param" in opt.state[p]) is expect for p in low)
+
+
+def fc1_first(model, **first):
+    return [{"params": [model.fc1.weight, model.fc1.bias], **first},
+            {"params": [p for n, p in model.named_parameters() if not n.startswith("fc1.")]}]
+
+
+def test_a_group_that_chose_its_master_weights_keeps_them(device):
+    """A fused optimizer's group with its own master_weights (here False with stochastic rounding: 12 bytes
+    a param) keeps it at O2; the default groups take the level's FP32 masters. initialize's master_weights=
+    sets every group."""
+    model = net(device)
+    opt = FusedAdamW(fc1_first(model, master_weights=False, rounding="stochastic", seed=3), lr=1e-2)
+    model, opt, scaler = amp.initialize(model, opt, "O2", dtype=torch.bfloat16)
+    assert [g["master_weights"] for g in opt.param_groups] == [False, True]
+    before = model.fc1.weight.detach().clone()
+    train_steps(model, opt, 3, scaler=scaler)
+    assert "master_param" not in opt.state[model.fc1.weight] and not torch.equal(model.fc1.weight, before)
+    assert "master_param" in opt.state[model.fc2.weight]
+    model = net(device)
+    opt = FusedAdamW(fc1_first(model, master_weights=False), lr=1e-2)
+    model, opt, _ = amp.initialize(model, opt, "O2", dtype=torch.bfloat16, master_weights=True)
+    assert [g["master_weights"] for g in opt.param_groups] == [True, True]
+    assert "master_param" in opt.state[model.fc1.weight]
+
+
+def test_a_remainder_group_starts_from_the_exact_fp32_values(device):
+    """A group set to master_weights="remainder" keeps it at O2 with BF16: its param and remainder hold the
+    exact FP32 values (not the rounded params), so training is bit for bit the FP32-master run."""
+    def run(first):
+        model = net(device)
+        opt = FusedAdamW(fc1_first(model), lr=1e-2)
+        opt.param_groups[0]["master_weights"] = first  # (the constructor refuses it for the FP32 params)
+        fp32 = model.fc1.weight.detach().clone()
+        model, opt, scaler = amp.initialize(model, opt, "O2", dtype=torch.bfloat16)
+        state = opt.state[model.fc1.weight]
+        if first == "remainder":
+            assert set(state) == {"master_remainder"} and opt.param_groups[0]["master_weights"] == "remainder"
+            assert torch.equal(join_master(model.fc1.weight, state["master_remainder"]), fp32)
+        losses = train_steps(model, opt, 4, scaler=scaler)
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (rem_losses, rem_params), (ref_losses, ref_params) = run("remainder"), run(True)
+    assert rem_losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(rem_params, ref_params))
+
+
+def test_a_remainder_group_with_an_fp16_model_raises_before_anything_changes(device):
+    model = net(device)
+    opt = FusedAdamW(fc1_first(model), lr=1e-2)
+    opt.param_groups[0]["master_weights"] = "remainder"
+    with pytest.raises(ValueError, match="param group 0 of optimizer 0 has master_weights='remainder'"):
+        amp.initialize(model, opt, "O2")
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state
+
+
+def test_split_master_is_join_masters_inverse():
+    bits = torch.cat([torch.randint(-2**31, 2**31, (100_000,), generator=torch.Generator().manual_seed(0),
+                                    dtype=torch.int64),
+                      torch.tensor([0x7F7F8000, 0x3F808000, -0x407F8000, 0x7F800000, 0x00008000, 0x7FC00001])])
+    m = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    p = torch.empty_like(m, dtype=torch.bfloat16)
+    hi, lo = split_master(m, p)
+    back = join_master(hi, lo)
+    finite = ~m.isnan()
+    assert torch.equal(back[finite].view(torch.int32), m[finite].view(torch.int32))
+    assert back[~finite].isnan().all() and (hi[~finite].view(torch.int16) == 0x7FC0).all()
+    # ties go away from zero (so that the remainder fits 16 bits): 1 + 2^-8 is halfway
+    assert hi[-5].item() == 1.0 + 2.0 ** -7 and lo[-5].item() == -0x8000
 
 
 @pytest.mark.parametrize("level", LEVELS)

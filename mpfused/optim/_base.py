@@ -242,6 +242,20 @@ def join_master(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return like(bits.view(torch.float32), p, torch.float32)
 
 
+def split_master(m: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The BF16 param and int16 remainder that hold FP32 masters ``m`` exactly, in p's layout: join_master's
+    inverse (core/master_split.h: the param is m rounded to nearest with ties away from zero on the bit
+    pattern, so that the difference fits 16 bits; a NaN master gives the param 0x7FC0 and the remainder 0)."""
+    u = m.detach().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = ((u + 0x8000) >> 16) & 0xFFFF
+    lo = u - (hi << 16)  # in [-0x8000, 0x7FFF] for every non-NaN pattern
+    nan = m.detach().isnan()
+    hi = torch.where(nan, 0x7FC0, hi)
+    lo = torch.where(nan, 0, lo)
+    hi16 = torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16)
+    return like(hi16, p, torch.bfloat16), like(lo.to(torch.int16), p, torch.int16)
+
+
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
