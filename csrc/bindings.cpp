@@ -77,6 +77,24 @@ int64_t overflow_planned_launches(const std::vector<int64_t>& numel, const std::
   return static_cast<int64_t>(mpf::plan_multi_tensor(numel.data(), static_cast<int64_t>(numel.size()), lim).size());
 }
 
+// What the calling thread's last CUDA GEMM launched: (kernel, passed_over), the kernel 'wgmma', 'wgmma-cluster' or
+// 'wmma' (None before any call and for an empty output), passed_over why the Hopper kernel, selected, did not run
+// (None where it ran or was not selected). Host state: no sync.
+pybind11::tuple gemm_last_cuda_launch() {
+#ifdef MPFUSED_WITH_CUDA
+  const mpf::GemmLaunch l = mpf::gemm_last_launch();
+  pybind11::object kernel = pybind11::none();
+  if (l.launched)
+    kernel = pybind11::str(l.kernel == mpf::GemmKernelChoice::kWgmmaCluster ? "wgmma-cluster"
+                           : l.kernel == mpf::GemmKernelChoice::kWgmma      ? "wgmma"
+                                                                             : "wmma");
+  pybind11::object why = l.passed_over ? pybind11::object(pybind11::str(l.passed_over)) : pybind11::none();
+  return pybind11::make_tuple(kernel, why);
+#else
+  fail("this mpfused build has no CUDA kernels (built CPU-only)");
+#endif
+}
+
 // The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
 // MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel), "wgmma-cluster" (the same in clusters of two CTAs) or "wmma".
 std::string gemm_cuda_kernel(int64_t index) {
@@ -385,6 +403,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("gemm_cuda_kernel", &gemm_cuda_kernel, pybind11::arg("index"),
         "The CUDA GEMM kernel aligned operands take on this device: 'wgmma', 'wgmma-cluster' or 'wmma' (MPFUSED_GEMM_KERNEL).");
+  m.def("gemm_last_cuda_launch", &gemm_last_cuda_launch,
+        "(kernel, passed_over) of this thread's last CUDA GEMM: the kernel that ran ('wgmma', 'wgmma-cluster', 'wmma' "
+        "or None), and why the Hopper kernel, selected, did not run (or None).");
   m.def("gemm_unsupported", &gemm_unsupported, pybind11::arg("dtype"), pybind11::arg("index"),
         "Empty when the CUDA GEMM runs these inputs on this device, else why not.");
   m.def("step_layout", &step_layout, pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("beside"),

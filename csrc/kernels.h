@@ -231,6 +231,18 @@ bool gemm_sm90_built();  // this build holds sm_90a code (its TORCH_CUDA_ARCH_LI
 // Whether gemm_cuda takes the Hopper kernel on `device` for operands that are (vector_path) or are not
 // 16-byte aligned.
 bool gemm_sm90_selected(bool vector_path, int device);
+// What the calling thread's last gemm_cuda call launched (host state: no device work, no sync). Where the Hopper
+// kernel was selected (gemm_sm90_selected) but did not run, passed_over says why (a static string; nullptr where it
+// ran or was not selected) and the WMMA kernel ran, with the same results: the tests cannot tell the kernels apart
+// by their outputs, and the torch layer warns once where the device or driver refused it (`unexpected`: a tensor
+// map the driver refused, too few registers, no cluster that fits; not K = 0 or coordinates past int32).
+struct GemmLaunch {
+  bool launched = false;  // a kernel ran (false before any call and for an empty output)
+  GemmKernelChoice kernel = GemmKernelChoice::kWmma;
+  const char* passed_over = nullptr;
+  bool unexpected = false;
+};
+GemmLaunch gemm_last_launch();
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);

@@ -544,6 +544,48 @@ def test_gemm_kernel_query_without_a_gpu():
         _ops._C.gemm_cuda_kernel(torch.cuda.device_count())
 
 
+def test_gemm_launch_record_without_a_gpu():
+    """_C.gemm_last_cuda_launch: a clear error on a build without CUDA kernels; (None, None) on a thread that has
+    run no CUDA GEMM."""
+    if not mpfused.has_cuda_kernels():
+        with pytest.raises(ValueError, match="no CUDA kernels"):
+            _ops._C.gemm_last_cuda_launch()
+        return
+    import threading
+
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(_ops._C.gemm_last_cuda_launch()))
+    t.start()
+    t.join()
+    assert seen == [(None, None)]
+
+
+# Aligned operands in every layout, batched B, K tails, and (for the cluster form) odd numbers of tile rows: the
+# Hopper kernel itself must run them. Its results equal the WMMA kernel's, so the other tests pass on a silent
+# fallback to it (a tensor map the driver refuses, too few registers, no cluster that fits): this one fails then.
+# (Every extent a multiple of 8 elements: 16-byte aligned rows.)
+HOPPER_SHAPES = [(1, 304, 264, 72, False, False, False), (2, 136, 520, 136, True, False, True),
+                 (1, 520, 264, 200, False, True, False), (3, 264, 136, 64, True, True, True)]
+
+
+@pytest.mark.parametrize("batch,m,n,k,a_col,b_col,b_batched", HOPPER_SHAPES)
+def test_the_hopper_kernel_itself_runs_aligned_operands(device, request, batch, m, n, k, a_col, b_col, b_batched):
+    kernel = request.node.callspec.params["device"]
+    if not kernel.startswith("cuda-wgmma"):
+        pytest.skip("the Hopper kernel's own check (the cuda-wgmma devices)")
+    expected = "wgmma-cluster" if kernel == "cuda-wgmma-cluster" and m > 128 else "wgmma"
+    gen = torch.Generator().manual_seed(m + n + k)
+    for dtype in LOW:
+        a = ints((batch, k, m) if a_col else (batch, m, k), dtype, "cuda", gen)
+        lead = (batch,) if b_batched else ()
+        b = ints(lead + ((k, n) if not b_col else (n, k)), dtype, "cuda", gen)
+        a = a.transpose(-1, -2) if a_col else a
+        b = b.transpose(-1, -2) if b_col else b
+        out = mpfused.gemm(a, b, out_dtype=torch.float32)
+        assert _ops._C.gemm_last_cuda_launch() == (expected, None), (dtype, _ops._C.gemm_last_cuda_launch())
+        assert torch.equal(out, torch.matmul(a.float(), b.float()))
+
+
 @requires_cuda
 def test_unknown_gemm_kernel_setting_is_an_error(monkeypatch):
     """An MPFUSED_GEMM_KERNEL that is not 'wmma', 'wgmma' or 'wgmma-cluster' fails the call with a message naming it, on any

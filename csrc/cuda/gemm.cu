@@ -377,6 +377,17 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
   cuda_check(cudaGetLastError(), "gemm kernel launch");
 }
 
+// Whether the Hopper kernel launched: `why` nullptr where it did, else the reason it could not take the operands
+// (the WMMA kernel then runs), and whether that reason is the device's or driver's rather than the operands'
+// (GemmLaunch::unexpected).
+struct Sm90Outcome {
+  const char* why = nullptr;
+  bool unexpected = false;
+};
+
+// The calling thread's last gemm_cuda call (gemm_last_launch).
+thread_local GemmLaunch last_launch;
+
 #if defined(MPFUSED_HAVE_SM90A)  // a build with sm_90a code (CUDA 12+: TMA, tensor maps, setmaxnreg)
 // ---- Hopper: TMA copies and warpgroup MMAs (sm_90a) ----------------------------------------------------
 // A block computes 128 x 256 tiles of the output with three warpgroups, specialised, and stays on its SM for
@@ -700,7 +711,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // The tensor map of one operand: dimensions (contiguous, other, batch) with boxes of 64 x `rows` (K-major: 64 K
 // by the tile's M or N extent) or 64 x 64 (MN-major: a 64-wide panel by 64 K), the 128-byte swizzle,
-// out-of-bounds elements read as zeros. False where the driver refuses it (the caller takes the WMMA kernel).
+// out-of-bounds elements read as zeros. False where the driver refuses it (the caller takes the WMMA kernel, and
+// gemm_last_launch says why).
 bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int64_t cols, int64_t batch, bool k_major,
                         int box_rows, bool* batched) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
@@ -722,17 +734,18 @@ bool encode_operand_map(CUtensorMap* map, const MatrixRef& m, int64_t rows, int6
   return r == CUDA_SUCCESS;
 }
 
-// Launches the kernel over `work` items; false (nothing launched) where the registers ptxas gave it cannot cover
+// Launches the kernel over `work` items; a reason (nothing launched) where the registers ptxas gave it cannot cover
 // setmaxnreg's counts (the consumers' increase would then wait forever: the static_assert above assumes 65536 / 384 a
 // thread, which a flag such as -maxrregcount or another ptxas could lower), or where no cluster fits the device.
 // A persistent grid: one CTA per SM (the kernel's shared memory allows no second), as many clusters as can run at
 // once (cudaOccupancyMaxActiveClusters: a pair needs two free SMs of one GPC), fewer where there is less work.
 template <typename T, bool kACol, bool kBCol, int kCluster>
-bool launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t stream) {
+Sm90Outcome launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t stream) {
   auto kernel = gemm_sm90_kernel<T, kACol, kBCol, kCluster>;
   cudaFuncAttributes attr{};  // (a host-side query of the loaded module, as cheap as the attribute set below)
   cuda_check(cudaFuncGetAttributes(&attr, kernel), "gemm: kernel query");
-  if (attr.numRegs * kSm90Threads < kSm90RegsNeeded) return false;
+  if (attr.numRegs * kSm90Threads < kSm90RegsNeeded)
+    return {"ptxas gave the Hopper kernel too few registers for its setmaxnreg counts", true};
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSm90SmemBytes)),
              "gemm: setting the shared-memory size");
   if constexpr (kCluster == 1) {
@@ -757,29 +770,31 @@ bool launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t stream
       (void)cudaGetLastError();  // this call's error, not sticky: clear it
       clusters = 0;
     }
-    if (clusters <= 0) return false;
+    if (clusters <= 0) return {"no cluster of two CTAs fits this device (cudaOccupancyMaxActiveClusters)", true};
     const int64_t n = work < clusters ? work : clusters;
     config.gridDim = dim3(static_cast<unsigned>(n * kCluster));
     cuda_check(cudaLaunchKernelEx(&config, kernel, p), "gemm kernel launch");
   }
-  return true;
+  return {};
 }
 
-// Launches the Hopper kernel (kCluster CTAs a cluster); false (nothing launched) where it cannot take these operands:
+// Launches the Hopper kernel (kCluster CTAs a cluster); a reason (nothing launched) where it cannot take these operands:
 // K = 0 (no copies to make), coordinates past int32, a tensor map the driver refuses, registers short of
 // setmaxnreg's counts, or no cluster that fits.
 template <typename T, int kCluster>
-bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t stream) {
+Sm90Outcome dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t stream) {
   const GemmArgs& g = kp_in.g;
   constexpr int64_t kMaxCoord = 0x7fffffff - 256;  // TMA coordinates are int32; a box may start past the extent
-  if (g.k <= 0 || g.m > kMaxCoord || g.n > kMaxCoord || g.k > kMaxCoord || g.batch > kMaxCoord) return false;
+  if (g.k <= 0) return {"K is 0 (no copies to make)", false};
+  if (g.m > kMaxCoord || g.n > kMaxCoord || g.k > kMaxCoord || g.batch > kMaxCoord)
+    return {"a dimension passes the int32 coordinates of TMA copies", false};
   Sm90Params p{};
   p.kp = kp_in;
   bool a_batched = false, b_batched = false;
   // B's K-major box: the rows of this CTA's part of the tile (all of them without a cluster).
   if (!encode_operand_map(&p.a, g.a, g.m, g.k, g.batch, !g.a.col_major, kSm90BlockM, &a_batched) ||
       !encode_operand_map(&p.b, g.b, g.k, g.n, g.batch, g.b.col_major, kSm90BlockN / kCluster, &b_batched))
-    return false;
+    return {"the driver refused an operand's tensor map (cuTensorMapEncodeTiled)", true};
   p.a_batched = a_batched ? 1 : 0;
   p.b_batched = b_batched ? 1 : 0;
   p.kp.tiles_m = (g.m + kSm90BlockM - 1) / kSm90BlockM;
@@ -799,8 +814,8 @@ bool dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStream_t st
 #else
 // No sm_90a code in this build: aligned operands take the WMMA kernel.
 template <typename T, int kCluster>
-bool dispatch_layout_sm90(const KernelParams&, int, cudaStream_t) {
-  return false;
+Sm90Outcome dispatch_layout_sm90(const KernelParams&, int, cudaStream_t) {
+  return {"this build has no sm_90a code", true};
 }
 #endif  // MPFUSED_HAVE_SM90A
 
@@ -869,7 +884,10 @@ bool gemm_sm90_selected(bool vector_path, int device) {
   return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
 }
 
+GemmLaunch gemm_last_launch() { return last_launch; }
+
 void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
+  last_launch = GemmLaunch{};
   if (args.batch <= 0 || args.m <= 0 || args.n <= 0) return;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   int device = 0;
@@ -890,14 +908,21 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
     // In clusters only where there are two tile rows to pair: with one, the second CTA would only repeat the first's
     // MMAs.
     const bool pairs = gemm_kernel_choice() == GemmKernelChoice::kWgmmaCluster && args.m > 128;  // kSm90BlockM
-    const bool launched = pairs ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
-                                        : dispatch_layout_sm90<__half, 2>(kp, device, stream))
-                              : (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream)
-                                      : dispatch_layout_sm90<__half, 1>(kp, device, stream));
-    if (launched) return;
+    const Sm90Outcome out = pairs ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
+                                          : dispatch_layout_sm90<__half, 2>(kp, device, stream))
+                                  : (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream)
+                                          : dispatch_layout_sm90<__half, 1>(kp, device, stream));
+    if (!out.why) {
+      last_launch = {true, pairs ? GemmKernelChoice::kWgmmaCluster : GemmKernelChoice::kWgmma, nullptr, false};
+      return;
+    }
+    last_launch.passed_over = out.why;
+    last_launch.unexpected = out.unexpected;
   }
   if (bf16) dispatch_layout<__nv_bfloat16>(kp, plan, stream);
   else dispatch_layout<__half>(kp, plan, stream);
+  last_launch.launched = true;
+  last_launch.kernel = GemmKernelChoice::kWmma;
 }
 
 }  // namespace mpf

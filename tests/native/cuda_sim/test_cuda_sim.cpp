@@ -948,6 +948,13 @@ void test_gemm_wgmma(std::mt19937& rng) {
     CHECK(gc.k == 0 || mpf_sim::stats().last_dynamic_smem > 64 * 1024,
           "%lldx%lldx%lld a_col %d b_col %d: the Hopper kernel ran (%zu bytes of shared memory)", static_cast<long long>(gc.m),
           static_cast<long long>(gc.n), static_cast<long long>(gc.k), gc.a_col, gc.b_col, mpf_sim::stats().last_dynamic_smem);
+    // gemm_last_launch says so too (what the GPU tests check, where the kernels cannot be told apart by their results)
+    const GemmLaunch l = gemm_last_launch();
+    CHECK(l.launched && (gc.k == 0 ? l.kernel == GemmKernelChoice::kWmma && l.passed_over && !l.unexpected
+                                   : l.kernel == GemmKernelChoice::kWgmma && !l.passed_over),
+          "%lldx%lldx%lld: gemm_last_launch names the kernel that ran (%d, %s)", static_cast<long long>(gc.m),
+          static_cast<long long>(gc.n), static_cast<long long>(gc.k), static_cast<int>(l.kernel),
+          l.passed_over ? l.passed_over : "-");
   }
   // The persistent grid: one block per SM, each looping over work items (batch, tile). The simulated device has 2
   // SMs, so every case above looped; here 3 SMs over 5 batches of 2 x 2 tiles (20 items: 7, 7 and 6 a block), the
@@ -973,16 +980,23 @@ void test_gemm_wgmma(std::mt19937& rng) {
   cfg.refuse_tensor_maps = true;
   gemm_case({2, 136, 264, 72, false, true, 0, DType::kBFloat16, DType::kFloat32, true, true, false, Activation::kGelu, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "a refused tensor map: the WMMA kernel");
+  CHECK(gemm_last_launch().kernel == GemmKernelChoice::kWmma && gemm_last_launch().unexpected &&
+            std::string(gemm_last_launch().passed_over).find("tensor map") != std::string::npos,
+        "a refused tensor map: gemm_last_launch says why the Hopper kernel did not run");
   cfg.refuse_tensor_maps = false;
   // Fewer registers than setmaxnreg's counts need (384 x 160 < 128 x 40 + 256 x 232): the WMMA kernel runs instead of a
   // launch whose consumers would wait forever for registers.
   cfg.func_regs = 160;
   gemm_case({2, 136, 264, 72, true, false, 0, DType::kBFloat16, DType::kFloat16, false, true, false, Activation::kRelu, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "registers short of setmaxnreg's counts: the WMMA kernel");
+  CHECK(gemm_last_launch().unexpected && std::string(gemm_last_launch().passed_over).find("registers") != std::string::npos,
+        "registers short: gemm_last_launch says why");
   cfg.func_regs = 168;
   // Misaligned operands take the WMMA kernel's element path.
   gemm_case({1, 33, 40, 24, false, false, 3, DType::kFloat16, DType::kFloat16, true, false, true, Activation::kNone, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "misaligned operands: the WMMA kernel");
+  CHECK(gemm_last_launch().launched && gemm_last_launch().kernel == GemmKernelChoice::kWmma && !gemm_last_launch().passed_over,
+        "misaligned operands: the Hopper kernel not selected, nothing passed over");
 }
 // The Hopper kernel in clusters of two CTAs along M (MPFUSED_GEMM_KERNEL=wgmma-cluster): each copies half of B's tile
 // into both CTAs' shared memory (multicast), releases each stage on both CTAs' mbarriers, and meets its peer at
@@ -1011,6 +1025,10 @@ void test_gemm_wgmma_cluster(std::mt19937& rng) {
           "%lldx%lldx%lld: the Hopper kernel ran, %s (%ld blocks for %ld work items on %d SMs)", static_cast<long long>(gc.m),
           static_cast<long long>(gc.n), static_cast<long long>(gc.k), pairs ? "2 blocks a cluster" : "without clusters",
           mpf_sim::stats().blocks - blocks, work, cfg.sms);
+    CHECK(gemm_last_launch().kernel == (pairs ? GemmKernelChoice::kWgmmaCluster : GemmKernelChoice::kWgmma) &&
+              !gemm_last_launch().passed_over,
+          "%lldx%lldx%lld: gemm_last_launch names the kernel that ran", static_cast<long long>(gc.m),
+          static_cast<long long>(gc.n), static_cast<long long>(gc.k));
   }
   // Persistent clusters: 3 of them (6 SMs) over 5 batches of 2 x 2 pairs of tiles and K tails (the phases run on from
   // one work item to the next on both CTAs), then more SMs than work.
@@ -1038,6 +1056,8 @@ void test_gemm_wgmma_cluster(std::mt19937& rng) {
   cfg.sms = 1;
   gemm_case({1, 136, 264, 72, false, true, 0, DType::kFloat16, DType::kFloat32, true, false, false, Activation::kNone, false}, rng);
   CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "no cluster fits: the WMMA kernel");
+  CHECK(gemm_last_launch().unexpected && std::string(gemm_last_launch().passed_over).find("cluster") != std::string::npos,
+        "no cluster fits: gemm_last_launch says why");
   cfg.sms = sms;
 }
 
