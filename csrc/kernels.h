@@ -231,7 +231,9 @@ bool gemm_sm90_built();  // this build holds sm_90a code (its TORCH_CUDA_ARCH_LI
 // Whether gemm_cuda takes the Hopper kernel on `device` for operands that are (vector_path) or are not
 // 16-byte aligned.
 bool gemm_sm90_selected(bool vector_path, int device);
-// What the calling thread's last gemm_cuda call launched (host state: no device work, no sync). Where the Hopper
+// What the calling thread's last gemm_cuda call launched (host state: no device work, no sync; per thread, so a
+// backward that autograd runs on its own thread leaves the caller's record as it was, and a CUDA graph's replays
+// do not touch it). Where the Hopper
 // kernel was selected (gemm_sm90_selected) but did not run, passed_over says why (a static string; nullptr where it
 // ran or was not selected) and the WMMA kernel ran, with the same results: the tests cannot tell the kernels apart
 // by their outputs, and the torch layer warns once where the device or driver refused it (`unexpected`: a tensor
@@ -243,6 +245,7 @@ struct GemmLaunch {
   bool unexpected = false;
 };
 GemmLaunch gemm_last_launch();
+void gemm_clear_last_launch();  // for a CUDA GEMM that launches nothing before reaching gemm_cuda (an empty output)
 void philox_raw_cuda(const uint32_t* ctr, uint32_t* out, int64_t n, uint32_t k0, uint32_t k1, void* stream);
 void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);

@@ -36,7 +36,7 @@ from torch import nn
 from ._layout import like, same_layout
 from ._ops import has_cuda_kernels
 from .optim import FusedAdam, FusedAdamW, FusedSGD
-from .optim._base import FusedOptimizer, split_master
+from .optim._base import FusedOptimizer, check_precision, split_master
 from .scaler import GradScaler
 
 __all__ = ["initialize", "properties", "AmpProperties", "OPT_LEVELS", "NORM_LAYERS"]
@@ -381,14 +381,30 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     def keeps_own(group: dict) -> bool:
         return props.cast_model and master_weights is None and group.get("master_weights") is not None
 
+    # (The norm layers' params that the level keeps in FP32, as the cast below decides.)
+    fp32_norms = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
+                  for p in m._parameters.values() if p is not None} if props.keep_batchnorm_fp32 else set()
     for k, opt in enumerate(optimizers):
-        if isinstance(opt, FusedOptimizer):
-            for gi, group in enumerate(opt.param_groups):
-                if keeps_own(group) and group["master_weights"] == "remainder" and props.dtype != torch.bfloat16:
-                    raise ValueError(
-                        f"param group {gi} of optimizer {k} has master_weights='remainder', which keeps BF16 params' "
-                        f"masters, but {opt_level} casts the model to {props.dtype}: pass dtype=torch.bfloat16, or "
-                        "set that group's master_weights to True (or pass master_weights= to initialize)")
+        where = f"optimizer {k}" if container not in (None, "single") else "optimizer"
+        if not isinstance(opt, FusedOptimizer):
+            continue
+        for gi, group in enumerate(opt.param_groups):
+            if not keeps_own(group):
+                continue
+            check_precision(group, f" (param group {gi} of the {where})")  # a value set on the group directly
+            if group["master_weights"] != "remainder":
+                continue
+            fix = "set that group's master_weights to True, or pass master_weights= to initialize"
+            if props.dtype != torch.bfloat16:
+                raise ValueError(f"param group {gi} of the {where} has master_weights='remainder', which keeps BF16 "
+                                 f"params' masters, but {opt_level} casts the model to {props.dtype}: pass "
+                                 f"dtype=torch.bfloat16, or {fix}")
+            for pi, p in enumerate(group["params"]):
+                if id(p) in fp32_norms:
+                    raise ValueError(f"param {pi} of param group {gi} of the {where} ({names[id(p)]!r}) belongs to a "
+                                     f"normalization layer, which {opt_level} keeps in FP32, but the group has "
+                                     "master_weights='remainder', which needs BF16 params: pass keep_batchnorm_fp32="
+                                     f"False, put the normalization params in a group of their own, or {fix}")
     device = _model_device(model)
     fused_needed = any(isinstance(o, FusedOptimizer) or type(o) in _CONVERTIBLE for o in optimizers)
     scaler_enabled = props.loss_scale != 1.0

@@ -320,9 +320,37 @@ def test_a_remainder_group_with_an_fp16_model_raises_before_anything_changes(dev
     model = net(device)
     opt = FusedAdamW(fc1_first(model), lr=1e-2)
     opt.param_groups[0]["master_weights"] = "remainder"
-    with pytest.raises(ValueError, match="param group 0 of optimizer 0 has master_weights='remainder'"):
+    with pytest.raises(ValueError, match="param group 0 of the optimizer has master_weights='remainder'"):
         amp.initialize(model, opt, "O2")
     assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state
+
+
+def test_a_kept_group_is_checked_before_anything_changes(device):
+    """A group's own master_weights is checked with the rest, before the cast: a value the optimizer would refuse
+    at its first step, 'remainder' beside stochastic rounding, and 'remainder' over a normalization layer's params,
+    which O2 keeps in FP32."""
+    cases = [(dict(master_weights="yes"), "Invalid master_weights"),
+             (dict(master_weights="remainder", rounding="stochastic"), "cannot be combined with master_weights='remainder'")]
+    for first, match in cases:
+        model = net(device)
+        opt = FusedAdamW(fc1_first(model), lr=1e-2)
+        opt.param_groups[0].update(first)
+        with pytest.raises(ValueError, match=match):
+            amp.initialize(model, opt, "O2", dtype=torch.bfloat16)
+        assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state
+    model = net(device)
+    opt = FusedAdamW([{"params": [model.fc1.weight, model.bn.weight]},
+                      {"params": [p for n, p in model.named_parameters() if n not in ("fc1.weight", "bn.weight")]}],
+                     lr=1e-2)
+    opt.param_groups[0]["master_weights"] = "remainder"
+    with pytest.raises(ValueError, match=r"param 1 of param group 0 of the optimizer \('bn.weight'\) belongs to a "
+                                         "normalization layer"):
+        amp.initialize(model, opt, "O2", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state
+    # with the normalization layers cast too, the group is BF16 throughout
+    model, opt, scaler = amp.initialize(model, opt, "O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False)
+    train_steps(model, opt, 2, scaler=scaler)
+    assert "master_remainder" in opt.state[model.bn.weight]
 
 
 def test_split_master_is_join_masters_inverse():

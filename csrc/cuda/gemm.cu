@@ -885,6 +885,7 @@ bool gemm_sm90_selected(bool vector_path, int device) {
 }
 
 GemmLaunch gemm_last_launch() { return last_launch; }
+void gemm_clear_last_launch() { last_launch = GemmLaunch{}; }
 
 void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
   last_launch = GemmLaunch{};

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <tuple>
 
@@ -164,6 +165,9 @@ std::tuple<at::Tensor, at::Tensor> gemm_impl(const at::Tensor& a, const at::Tens
   const at::TensorOptions out_options = a.options().dtype(out_type);
   const bool want_pre = return_pre_activation && act != mpf::Activation::kNone;
   if (batch == 0 || m == 0 || n == 0) {
+#ifdef MPFUSED_WITH_CUDA
+    if (device.is_cuda()) mpf::gemm_clear_last_launch();  // this call launched nothing
+#endif
     at::Tensor out = at::empty(shape, out_options);
     return {out, want_pre ? at::empty(shape, out_options) : at::Tensor()};
   }
@@ -217,10 +221,13 @@ std::tuple<at::Tensor, at::Tensor> gemm_impl(const at::Tensor& a, const at::Tens
     mpf::gemm_cuda(g, c10::cuda::getCurrentCUDAStream(device.index()).stream());
     // MPFUSED_GEMM_KERNEL asked for the Hopper kernel and the device or driver refused it: the WMMA kernel ran
     // (the same results), which a user measuring the Hopper kernel must know. Once a process.
-    if (const mpf::GemmLaunch l = mpf::gemm_last_launch(); l.unexpected)
-      TORCH_WARN_ONCE("MPFUSED_GEMM_KERNEL asks for the Hopper GEMM kernel, but it cannot run here: ", l.passed_over,
+    if (const mpf::GemmLaunch l = mpf::gemm_last_launch(); l.unexpected) {
+      const char* choice = std::getenv("MPFUSED_GEMM_KERNEL");
+      TORCH_WARN_ONCE("MPFUSED_GEMM_KERNEL asks for the Hopper GEMM kernel (", choice ? choice : "", "), but it cannot ",
+                      "run here: ", l.passed_over,
                       ". The WMMA kernel runs instead (the same results); mpfused._C.gemm_last_cuda_launch() says "
                       "which kernel the last call took.");
+    }
 #endif
   }
   return {out, pre};
