@@ -40,6 +40,10 @@ RULES: list[tuple[str, str, str, object]] = [
     (r"quantize_kernel<\(FixedType\)2, \(FixedType\)2,", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     (r"quantize_kernel<\(FixedType\)2, \(FixedType\)2,", "128-bit global stores", r"\bSTG\.E\.128\b", ALL),
     (r"quantize_kernel<\(FixedType\)4, \(FixedType\)2,", "64-bit loads of four FP16 values", r"\bLDG\.E\.64\b", ALL),
+    # The fixed-point MACC of int16 codes: integer MMAs of unsigned 8-bit digits (IMMA.8816.U8.U8 on sm_75,
+    # IMMA.16816.U8.U8 on sm_80+), A's fragments by ldmatrix.
+    (r"matmul_tc_kernel<", "IMMA of unsigned 8-bit digits", r"\bIMMA\.\d+\.U8\.U8\b", ALL),
+    (r"matmul_tc_kernel<", "ldmatrix fragment loads", r"\bLDSM\.", ALL),
     # Tensor-core MMAs that accumulate in FP32 (HMMA.1688.F32 on sm_75, HMMA.16816.F32 on sm_80+).
     (r"gemm_kernel<__half,", "HMMA with F32 accumulation", r"\bHMMA\.\d+\.F32\b", ALL),
     (r"gemm_kernel<__nv_bfloat16,", "HMMA BF16 with F32 accumulation", r"\bHMMA\.\d+\.F32\.BF16\b",

@@ -18,9 +18,11 @@ times the last cache level (harness.CacheFlush). Two ways of calling it:
 
 The copy roof of the harness (400 MB buffers) is printed for context.
 
-The MACC: ``matmul`` of int16 codes of <4,12> (M = K = N, default 512) rounded into <8,8>, against
-``torch.matmul`` of the same codes as int64 and as float64 tensors (both exact at these sizes), INFO only:
-torch has no fixed-point product, and ours also rounds and saturates every output.
+The MACC: ``matmul`` of int16 codes of <4,12> (M = K = N, default 512 on the CPU, 4096 on CUDA) rounded into
+<8,8>, against ``torch.matmul`` of the same codes as int64 (CPU only: CUDA has none) and as float64 tensors (both
+exact at these sizes), INFO only: torch has no fixed-point product, and ours also rounds and saturates every
+output. On CUDA both of our kernels run (the integer tensor cores, the default, and the CUDA cores:
+MPFUSED_FIXED_MATMUL_KERNEL), and torch's 8-bit ``torch._int_mm`` is shown for scale.
 
 Goals (benchmarks/goals.py): (a) quantize with round-to-nearest and (b) with stochastic rounding into a
 preallocated output, each at least 85% of the same-bytes preallocated copy's throughput on the CPU.
@@ -28,6 +30,7 @@ preallocated output, each at least 85% of the same-bytes preallocated copy's thr
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -66,36 +69,71 @@ def quantize_methods(x: torch.Tensor) -> list[tuple[str, str, int, Any]]:
     ]
 
 
-def matmul_methods(size: int, device: torch.device) -> list[tuple[str, Any]]:
+def with_macc_kernel(kernel: str, fn: Any) -> Any:
+    """fn, called with MPFUSED_FIXED_MATMUL_KERNEL=kernel (read at each call)."""
+    def call() -> Any:
+        old = os.environ.get("MPFUSED_FIXED_MATMUL_KERNEL")
+        os.environ["MPFUSED_FIXED_MATMUL_KERNEL"] = kernel
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["MPFUSED_FIXED_MATMUL_KERNEL"]
+            else:
+                os.environ["MPFUSED_FIXED_MATMUL_KERNEL"] = old
+    return call
+
+
+def matmul_methods(size: int, device: torch.device) -> tuple[list[tuple[str, Any]], str]:
+    """The MACC's timed calls, and the name of the anchor the table divides by."""
     gen = torch.Generator().manual_seed(SEED)
     a = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
     b = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
     a64, b64, af, bf = a.long(), b.long(), a.double(), b.double()
-    # Agreement before timing: our nearest-rounded result against the int64 product rounded the same way
-    # (on the CPU: torch has no integer matmul on CUDA).
-    exact = a64.cpu() @ b64.cpu()
+    # Agreement before timing: our nearest-rounded result against the exact product rounded the same way. The
+    # float64 product is exact here (|sum| <= K 2^30 < 2^53), and fast on both devices.
+    if size * 2 ** 30 >= 2 ** 53:
+        raise ValueError(f"--size {size}: the float64 reference would not be exact")
+    exact = (af @ bf).long()
     shift = FMT[1] * 2 - OUT_FMT[1]
     floor, rem = exact >> shift, exact & ((1 << shift) - 1)
     ref = (floor + (rem > (1 << (shift - 1))).long()).clamp(-(1 << 15), (1 << 15) - 1)
-    if not torch.equal(fxp.matmul(a, b, FMT, FMT, OUT_FMT).long().cpu(), ref):
-        raise RuntimeError("fixed-point matmul disagrees with the int64 reference")
-    methods = [
-        ("matmul nearest (int16 codes)", lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT)),
-        ("matmul stochastic (int16 codes)", lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT, rounding="stochastic", seed=SEED)),
-    ]
+    kernels = [("tensor-cores", "tensor cores"), ("cuda-cores", "CUDA cores")] if device.type == "cuda" else [(None, "")]
+    methods = []
+    for kernel, label in kernels:
+        tag = f", {label}" if label else ""
+        near = lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT)
+        sto = lambda: fxp.matmul(a, b, FMT, FMT, OUT_FMT, rounding="stochastic", seed=SEED)
+        if kernel is not None:
+            near, sto = with_macc_kernel(kernel, near), with_macc_kernel(kernel, sto)
+        if not torch.equal(near().long(), ref):
+            raise RuntimeError(f"fixed-point matmul{tag} disagrees with the exact reference")
+        methods += [(f"matmul nearest (int16 codes{tag})", near), (f"matmul stochastic (int16 codes{tag})", sto)]
     if device.type == "cpu":  # ("addmm_cuda" is not implemented for int64: no such anchor on CUDA)
         methods.append(("torch int64 matmul", lambda: a64 @ b64))
-    return methods + [("torch float64 matmul", lambda: af @ bf)]
+        anchor = "torch int64 matmul"
+    else:
+        anchor = "torch float64 matmul"
+        # torch's own integer GEMM multiplies 8-bit codes (int32 sums): half the bits of each operand, a quarter of
+        # the digit products of ours; shown for scale.
+        a8, b8 = (a >> 8).to(torch.int8), (b >> 8).to(torch.int8).t().contiguous().t()
+        try:  # (its shape and layout rules vary across torch versions: left out where it refuses)
+            torch._int_mm(a8, b8)
+            methods.append(("torch._int_mm (int8 codes, int32 sums)", lambda: torch._int_mm(a8, b8)))
+        except (RuntimeError, AttributeError) as e:
+            h.print_text(f"torch._int_mm left out: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return methods + [("torch float64 matmul", lambda: af @ bf)], anchor
 
 
 def main() -> None:
     parser = h.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=None, help="elements quantized (default 32M, 4M with --quick)")
-    parser.add_argument("--size", type=int, default=None, help="M = K = N of the MACC (default 512, 128 with --quick)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="M = K = N of the MACC (default 512 on the CPU, 4096 on CUDA; 128 with --quick)")
     args = h.parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 2, "cuda": 5})
     device: torch.device = args.device
     n = args.elements or (4_000_000 if args.quick else 32_000_000)
-    size = args.size or (128 if args.quick else 512)
+    size = args.size or (128 if args.quick else 4096 if device.type == "cuda" else 512)
 
     machine = h.machine_info(device)
     roofs = h.measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))
@@ -133,11 +171,11 @@ def main() -> None:
         "method", "median ms", "GB/s", "% copy roof", "% anchor", "anchor"], rows,
         [False, True, True, True, True, False])
 
-    mm = matmul_methods(size, device)
+    mm, anchor_name = matmul_methods(size, device)
     mm_t = h.time_interleaved([m[1] for m in mm], device, warmup=args.warmup, repeats=args.repeats,
                             max_seconds=args.max_seconds)
     macs = size ** 3
-    anchor_name, anchor = mm[2][0], mm_t[2].median  # torch's int64 matmul (CPU), else its float64 one
+    anchor = next(t.median for (name, _), t in zip(mm, mm_t) if name == anchor_name)
     mm_rows = []
     for (name, _), t in zip(mm, mm_t):
         records.append({"task": "matmul", "method": name, "size": size, "timing": t.to_dict(),

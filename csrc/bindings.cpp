@@ -95,17 +95,38 @@ pybind11::tuple gemm_last_cuda_launch() {
 #endif
 }
 
-// The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
-// MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel), "wgmma-cluster" (the same in clusters of two CTAs) or "wmma".
-std::string gemm_cuda_kernel(int64_t index) {
 #ifdef MPFUSED_WITH_CUDA
+// `index` names a visible CUDA device, else a ValueError that says which exist.
+void check_device_index(int64_t index) {
   const int64_t count = c10::cuda::device_count();
   if (count == 0) fail("no CUDA device is visible");
   if (index < 0 || index >= count)
     fail("index must name a visible CUDA device (0 to " + std::to_string(count - 1) + "), got " + std::to_string(index));
+}
+#endif
+
+// The CUDA GEMM kernel that aligned FP16/BF16 operands take on CUDA device `index` under the current
+// MPFUSED_GEMM_KERNEL: "wgmma" (the Hopper kernel), "wgmma-cluster" (the same in clusters of two CTAs) or "wmma".
+std::string gemm_cuda_kernel(int64_t index) {
+#ifdef MPFUSED_WITH_CUDA
+  check_device_index(index);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
   if (!mpf::gemm_sm90_selected(true, static_cast<int>(index))) return "wmma";
   return mpf::gemm_kernel_choice() == mpf::GemmKernelChoice::kWgmmaCluster ? "wgmma-cluster" : "wgmma";
+#else
+  (void)index;
+  fail("this mpfused build has no CUDA kernels (built CPU-only)");
+#endif
+}
+
+// The CUDA MACC kernel that int16 x int16 fixed-point codes take on CUDA device `index` under the current
+// MPFUSED_FIXED_MATMUL_KERNEL: "tensor-cores" or "cuda-cores".
+std::string fixed_matmul_cuda_kernel(int64_t index) {
+#ifdef MPFUSED_WITH_CUDA
+  check_device_index(index);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  return mpf::fixed_matmul_kernel(static_cast<int>(index)) == mpf::FixedMatmulKernel::kTensorCores ? "tensor-cores"
+                                                                                                    : "cuda-cores";
 #else
   (void)index;
   fail("this mpfused build has no CUDA kernels (built CPU-only)");
@@ -403,6 +424,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launches the overflow reduction makes for tensors of these sizes.");
   m.def("gemm_cuda_kernel", &gemm_cuda_kernel, pybind11::arg("index"),
         "The CUDA GEMM kernel aligned operands take on this device: 'wgmma', 'wgmma-cluster' or 'wmma' (MPFUSED_GEMM_KERNEL).");
+  m.def("fixed_matmul_cuda_kernel", &fixed_matmul_cuda_kernel, pybind11::arg("index"),
+        "The CUDA kernel of fixed_point.matmul for int16 codes on this device: 'tensor-cores' or 'cuda-cores' "
+        "(MPFUSED_FIXED_MATMUL_KERNEL).");
   m.def("gemm_last_cuda_launch", &gemm_last_cuda_launch,
         "(kernel, passed_over) of this thread's last CUDA GEMM: the kernel that ran ('wgmma', 'wgmma-cluster', 'wmma' "
         "or None), and why the Hopper kernel, selected, did not run (or None).");

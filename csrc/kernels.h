@@ -251,6 +251,12 @@ void philox_words_cuda(const RandomArgs& r, uint32_t* words, void* stream);
 void round_stochastic_cuda(const RandomArgs& r, const float* src, void* dst, DType dst_dtype, void* stream);
 void fixed_quantize_cuda(const FixedQuantizeArgs& args, void* stream);
 void fixed_matmul_cuda(const FixedMatmulArgs& args, void* stream);
+// The CUDA MACC's kernel for int16 x int16 codes on CUDA device `device` (int32 codes always take the CUDA cores):
+// the tensor cores where the GPU has integer ones (compute capability 7.2 and newer), else the CUDA cores;
+// MPFUSED_FIXED_MATMUL_KERNEL = "tensor-cores" / "cuda-cores" chooses (any other value, or "tensor-cores" on a GPU
+// without them, throws std::invalid_argument). Both give the same codes.
+enum class FixedMatmulKernel { kTensorCores, kCudaCores };
+FixedMatmulKernel fixed_matmul_kernel(int device);
 int cuda_runtime_version_compiled();  // CUDART_VERSION the kernels were built with
 
 }  // namespace mpf

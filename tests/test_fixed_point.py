@@ -23,6 +23,8 @@ from mpfused import fixed_point as fxp
 from mpfused import optim as mo
 from mpfused.random import philox_words
 
+from conftest import requires_cuda
+from mpfused import _ops
 from test_random import reference_words
 from tolerances import SR_SIGMAS
 
@@ -525,6 +527,61 @@ def test_cuda_matches_cpu_bit_for_bit(device):
             cpu = fxp.matmul(a, b, (4, 12), (16, 16), (10, 14), rounding=rounding, seed=1, offset=9)
             gpu = fxp.matmul(a.cuda(), b.cuda(), (4, 12), (16, 16), (10, 14), rounding=rounding, seed=1, offset=9)
             assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_macc_kernel_query_without_a_gpu():
+    """_C.fixed_matmul_cuda_kernel names the CUDA MACC kernel of int16 codes; without CUDA kernels or without a device
+    it is a clear error, not a crash."""
+    if not mpfused.has_cuda_kernels():
+        with pytest.raises(ValueError, match="no CUDA kernels"):
+            _ops._C.fixed_matmul_cuda_kernel(0)
+        return
+    match = "index must name a visible CUDA device" if torch.cuda.device_count() else "no CUDA device is visible"
+    with pytest.raises(ValueError, match=match):
+        _ops._C.fixed_matmul_cuda_kernel(torch.cuda.device_count())
+
+
+def offset_codes(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """values (2-D) copied into a contiguous tensor whose data starts `offset` elements into its storage."""
+    flat = torch.empty(values.numel() + offset, dtype=values.dtype, device=values.device)
+    out = flat[offset:].view(values.shape)
+    out.copy_(values)
+    return out
+
+
+@pytest.mark.sanitize
+@requires_cuda
+def test_cuda_macc_on_tensor_cores_matches_cpu(monkeypatch):
+    """The int16 MACC on the integer tensor cores (8-bit digits of biased codes, three int32 sums moved to 64 bits every
+    16,384 steps of k) gives the CPU's codes, and so does the CUDA-core kernel: tails in every dimension, several
+    tiles, operands whose data is off the vector alignment, the extreme codes (digits 0 and 255) and depths past the
+    int32 sums' span."""
+    gen = torch.Generator().manual_seed(21)
+    major, minor = torch.cuda.get_device_capability()
+    expected = "tensor-cores" if (major, minor) >= (7, 2) else "cuda-cores"
+    assert _ops._C.fixed_matmul_cuda_kernel(torch.cuda.current_device()) == expected
+    cases = [((70, 40, 130), "random", 0), ((33, 45, 61), "random", 1), ((5, 3, 9), "extremes", 3),
+             ((129, 100, 3), "random", 0), ((64, 32, 64), "extremes", 0), ((2, 8, 68), "max", 4),
+             ((3, 16_384 + 200, 5), "max", 0), ((17, 16_384 + 9, 6), "extremes", 2), ((200, 300, 90), "random", 0)]
+    for (m, k, n), pattern, offset in cases:
+        if pattern == "random":
+            a, b = (random_codes(s, (4, 12), gen, torch.int16) for s in ((m, k), (k, n)))
+        elif pattern == "extremes":
+            a, b = (torch.where(torch.rand(s, generator=gen) < 0.5, 32767, -32768).to(torch.int16) for s in ((m, k), (k, n)))
+        else:
+            a, b = torch.full((m, k), 32767, dtype=torch.int16), torch.full((k, n), 32767, dtype=torch.int16)
+        ga, gb = offset_codes(a.cuda(), offset), offset_codes(b.cuda(), offset)
+        for out_fmt in ((8, 8), (24, 8)):  # int16 codes (the deep sums saturate) and int32 ones (none saturate)
+            for rounding in ("nearest", "stochastic"):
+                cpu = fxp.matmul(a, b, (4, 12), (4, 12), out_fmt, rounding=rounding, seed=3, offset=5)
+                for kernel in ("tensor-cores", "cuda-cores"):
+                    monkeypatch.setenv("MPFUSED_FIXED_MATMUL_KERNEL", kernel)
+                    gpu = fxp.matmul(ga, gb, (4, 12), (4, 12), out_fmt, rounding=rounding, seed=3, offset=5)
+                    assert torch.equal(gpu.cpu(), cpu), (m, k, n, pattern, offset, out_fmt, rounding, kernel)
+                monkeypatch.delenv("MPFUSED_FIXED_MATMUL_KERNEL")
+    monkeypatch.setenv("MPFUSED_FIXED_MATMUL_KERNEL", "fastest")
+    with pytest.raises((RuntimeError, ValueError), match="MPFUSED_FIXED_MATMUL_KERNEL"):
+        fxp.matmul(ga, gb, (4, 12), (4, 12), (10, 14))
 
 
 # ---- every CPU path gives the same bits ---------------------------------------------------------------

@@ -246,4 +246,23 @@ MPF_HD int fixed_ceil_log2(int64_t k) {
 }
 MPF_HD bool fixed_macc_fits(int wla, int wlb, int64_t k) { return wla + wlb + fixed_ceil_log2(k) <= 64; }
 
+// The MACC of int16 codes on integer tensor cores (cuda/fixed_point.cu), which multiply 8-bit digits: a code x
+// is biased to the unsigned u = x + 2^15 (the same bits with the top one flipped), u = 2^8 hi + lo with digits
+// hi, lo in [0, 255], and for each output
+//   S = sum_k a_u b_u = 2^16 sum(hi_a hi_b) + 2^8 sum(hi_a lo_b + lo_a hi_b) + sum(lo_a lo_b)
+// of three sums of digit products, which the units accumulate in int32: a digit product is at most
+// 255^2 = 65025, so the middle sum, two a step, stays below 2^31 over kFixedDigitSpan steps, and the kernel
+// moves the three into 64 bits at least that often. Then
+//   sum_k a b = sum_k (a_u - 2^15)(b_u - 2^15) = S - 2^15 (sum_k a_u + sum_k b_u) + K 2^30,
+// with the sums of a's row and b's column over the K steps. S alone may pass 2^63 (K 2^32 products of up to
+// 2^32), so everything is computed modulo 2^64 (unsigned), which gives the exact value: |sum a b| <= K 2^30
+// <= 2^62 wherever fixed_macc_fits (16-bit codes: K <= 2^32). A step where both operands are padding
+// (k >= K) has digits 0 and adds nothing to S or to the sums.
+constexpr int64_t kFixedDigitSpan = 16384;  // 2 * 65025 * 16384 = 2,130,739,200 < 2^31
+MPF_HD uint32_t fixed_biased(int16_t code) { return static_cast<uint32_t>(static_cast<uint16_t>(code)) ^ 0x8000u; }
+MPF_HD uint64_t fixed_digit_sum(uint64_t hh, uint64_t mid, uint64_t ll) { return (hh << 16) + (mid << 8) + ll; }
+MPF_HD int64_t fixed_unbias_sum(uint64_t s, uint64_t sum_a_biased, uint64_t sum_b_biased, uint64_t k) {
+  return static_cast<int64_t>(s - ((sum_a_biased + sum_b_biased) << 15) + (k << 30));
+}
+
 }  // namespace mpf

@@ -2,10 +2,17 @@
 // and the buffers are 16-byte aligned, a warp converts 256 consecutive elements at a time, four a lane an
 // access, with the Philox blocks (the random bits of eight consecutive element indices) computed one a lane
 // and shared through shared memory; elsewhere, and for the last elements, a thread computes one block and
-// converts its eight elements (as round_stochastic does). The MACC: 64 x 64 output tiles, 256 threads of 4 x 4 outputs each, the k dimension staged through
-// shared memory 16 at a time, exact int64 sums, and the final rounding with each output element's word:
-// the same core functions and words as the CPU backend, so both give the same codes.
+// converts its eight elements (as round_stochastic does). The MACC of int16 codes: on the integer tensor cores,
+// which multiply the codes' 8-bit digits (matmul_tc_kernel below); of int32 codes (or with
+// MPFUSED_FIXED_MATMUL_KERNEL=cuda-cores): 64 x 64 output tiles, 256 threads of 4 x 4 outputs each, the k dimension
+// staged through shared memory 16 at a time, exact int64 sums. Both round once at the end with each output
+// element's word: the same core functions and words as the CPU backend, so all give the same codes.
+#include <mma.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 #include "../kernels.h"
 #include "common.cuh"
@@ -199,6 +206,253 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(FixedMatmulArgs g) {
   }
 }
 
+// ---- The MACC of int16 codes on the integer tensor cores --------------------------------------------------------
+// Each code is biased and split into two 8-bit digits (core/fixed_point.h: fixed_biased .. fixed_unbias_sum), the
+// WMMA units (u8 x u8 -> int32, compute capability 7.2 and newer) sum the digit products of a 64 x 64 output tile
+// into three int32 accumulators an output (hi*hi, hi*lo + lo*hi, lo*lo), and every kFixedDigitSpan steps of k (before
+// they could pass 2^31) a warp moves them through shared memory into the tile's 64-bit sums; the sums of each
+// row of a and column of b (of the biased codes) complete the exact int64 sum, which is rounded as the CUDA-core
+// kernel above rounds it. Four MMAs a digit step where one 16-bit product is wanted, on units that run 8-bit ones
+// at many times the rate of the 64-bit integer adds of the CUDA-core loop.
+//
+// A block: 4 warps, each 32 x 32 outputs (2 x 2 fragments of 16 x 16); k staged 32 at a time. Shared memory holds
+// the digits in the layouts the fragments load with a leading dimension of 16 bytes and 32-byte aligned pointers:
+// a's as [digit][16-k slab][64 rows][16 k] (row-major A fragments), b's as [digit][16-column block][16-k slab][16
+// columns][16 k] (column-major B fragments, which the MMA reads as they lie: a row-major one took a byte load an
+// element, 64 a warp and stage). Steps k >= K and rows or columns past the matrices hold the digits 0 (the
+// biased code of -2^15; with both operands' steps past K zero, they add nothing).
+constexpr int kTcThreads = 128;
+constexpr int kTcTile = 64;
+constexpr int kTcStageK = 32;
+constexpr int kTcFlushStages = static_cast<int>(kFixedDigitSpan / kTcStageK);  // stages between moves to 64 bits
+constexpr int kTcASlab = kTcTile * 16 + 32;   // bytes of a 16-k slab of a's digits (32 bytes of padding)
+constexpr int kTcBBlock = 16 * 16 + 32;        // bytes of 16 columns by 16 k of b's digits
+static_assert(kTcASlab % 32 == 0 && kTcBBlock % 32 == 0, "fragment pointers are 32-byte aligned");
+static_assert(kFixedDigitSpan % kTcStageK == 0, "whole stages between moves");
+
+// The high (H = 1) or low (H = 0) digits of the four 32-bit words of eight biased codes (in
+// order, already biased), as eight bytes.
+template <int H>
+__device__ inline uint2 digits8(const uint32_t (&v)[4]) {
+  constexpr unsigned sel = H ? 0x7531u : 0x6420u;  // bytes 1, 3 (high) or 0, 2 (low) of each pair of codes
+  return make_uint2(__byte_perm(v[0], v[1], sel), __byte_perm(v[2], v[3], sel));
+}
+// N consecutive codes p[0 .. N - 1] (N = 8 or 4) as N / 2 words; count < N reads only the first `count` (the rest
+// are -2^15, whose biased code and digits are 0).
+template <int N>
+__device__ inline void load_codes(uint32_t (&w)[N / 2], const int16_t* p, int count, bool vector) {
+  if (vector) {
+    if constexpr (N == 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      w[0] = v.x, w[1] = v.y;
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const uint32_t lo = 2 * i < count ? static_cast<uint16_t>(p[2 * i]) : 0x8000u;
+    const uint32_t hi = 2 * i + 1 < count ? static_cast<uint16_t>(p[2 * i + 1]) : 0x8000u;
+    w[i] = lo | (hi << 16);
+  }
+}
+
+template <FixedType O>
+__global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 720
+  namespace wmma = nvcuda::wmma;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, unsigned char, wmma::row_major>;
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, unsigned char, wmma::col_major>;
+  using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, int>;
+  __shared__ __align__(128) unsigned char a_digits[2 * 2 * kTcASlab];  // [digit: 0 low, 1 high][slab][...]
+  __shared__ __align__(128) unsigned char b_digits[2 * 8 * kTcBBlock];  // [digit][column block][slab][...]
+  __shared__ __align__(128) int32_t scratch[4 * 256];                  // a warp's 16 x 16 accumulator on its way
+  __shared__ __align__(16) unsigned long long total[kTcTile * kTcTile];  // the tile's S, modulo 2^64
+  __shared__ __align__(16) unsigned long long row_sums[kTcTile];         // sum over k of a's biased codes
+  __shared__ __align__(16) unsigned long long col_parts[4][kTcTile];     // the same of b's, a warp's rows
+  const auto* __restrict__ a = static_cast<const int16_t*>(g.a);
+  const auto* __restrict__ b = static_cast<const int16_t*>(g.b);
+  auto* __restrict__ out = static_cast<typename FixedElem<O>::type*>(g.out);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTcTile, n0 = static_cast<int64_t>(blockIdx.x) * kTcTile;
+  const int wr = warp / 2, wc = warp % 2;  // the warp's 32 x 32 outputs: rows 32 wr.., columns 32 wc..
+  // Whole vector loads where every row of the operand starts aligned for them.
+  const bool a_vec = g.k % 8 == 0 && (reinterpret_cast<uintptr_t>(a) & 15u) == 0;
+  const bool b_vec = g.n % 4 == 0 && (reinterpret_cast<uintptr_t>(b) & 7u) == 0;  // (8-byte loads)
+  for (int e = tid; e < kTcTile * kTcTile; e += kTcThreads) total[e] = 0;
+  __syncthreads();
+
+  FragAcc acc[3][2][2];  // [0: hi*hi, 1: hi*lo + lo*hi, 2: lo*lo][fragment row][fragment column]
+#pragma unroll
+  for (int d = 0; d < 3; ++d)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[d][i][j], 0);
+  // A thread stages a's rows tid / 4 and tid / 4 + 32 (eight k at 8 (tid % 4)) and b's k rows 4 (tid / 16) ..
+  // 4 (tid / 16) + 3 (four columns at 4 (tid % 16), which it turns into four words of four k each), and sums the
+  // biased codes it stages: 32-bit sums between moves (at most 8 * 65535 a row or column and stage, 2^28 between
+  // moves), 64-bit ones across them.
+  const int a_row = tid / 4, a_kq = tid % 4, b_kq = tid / 16, b_nq = tid % 16;
+  uint32_t a_sum[2] = {0, 0}, b_sum[4] = {0, 0, 0, 0};
+  unsigned long long a_total[2] = {0, 0}, b_total[4] = {0, 0, 0, 0};
+  // Moves the warp's three accumulators into the tile's 64-bit sums, through the warp's 1 KB of scratch (the
+  // fragments' element order is the GPU's own: a lane reads back 8 consecutive elements of the stored tile).
+  const auto flush = [&]() {
+    int32_t* const sc = scratch + warp * 256;
+#pragma unroll
+    for (int d = 0; d < 3; ++d)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          wmma::store_matrix_sync(sc, acc[d][i][j], 16, wmma::mem_row_major);
+          __syncwarp();
+          const int r = lane / 2, c0 = (lane % 2) * 8;
+          unsigned long long* const t = total + (32 * wr + 16 * i + r) * kTcTile + 32 * wc + 16 * j + c0;
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const unsigned long long v = static_cast<uint32_t>(sc[r * 16 + c0 + c]);
+            t[c] += d == 0 ? v << 16 : d == 1 ? v << 8 : v;  // core/fixed_point.h: fixed_digit_sum
+          }
+          __syncwarp();
+          wmma::fill_fragment(acc[d][i][j], 0);
+        }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      a_total[q] += a_sum[q];
+      a_sum[q] = 0;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      b_total[c] += b_sum[c];
+      b_sum[c] = 0;
+    }
+  };
+
+  // The codes of the stage at k0 into registers (raw: biased and summed when they are stored), issued before the
+  // previous stage's MMAs so that those hide the loads' latency.
+  uint32_t aw[2][4], bw[4][2];
+  const auto load_stage = [&](int64_t k0) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int64_t row = m0 + a_row + 32 * q, k = k0 + 8 * a_kq;
+      const int64_t count = row < g.m ? (g.k - k < 8 ? g.k - k : 8) : 0;
+      load_codes<8>(aw[q], a + row * g.k + k, count > 0 ? static_cast<int>(count) : 0, a_vec && count == 8);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t kb = k0 + 4 * b_kq + r, col = n0 + 4 * b_nq;
+      const int64_t count = kb < g.k ? (g.n - col < 4 ? g.n - col : 4) : 0;
+      load_codes<4>(bw[r], b + kb * g.n + col, count > 0 ? static_cast<int>(count) : 0, b_vec && count == 4);
+    }
+  };
+  if (g.k > 0) load_stage(0);
+  int stages = 0;
+  for (int64_t k0 = 0; k0 < g.k; k0 += kTcStageK) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        aw[q][w] ^= 0x80008000u;  // biased
+        a_sum[q] += (aw[q][w] & 0xffffu) + (aw[q][w] >> 16);
+      }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        bw[r][w] ^= 0x80008000u;
+        b_sum[2 * w] += bw[r][w] & 0xffffu;
+        b_sum[2 * w + 1] += bw[r][w] >> 16;
+      }
+    __syncthreads();  // the last stage's fragments are loaded
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // a: slab a_kq / 2, row a_row + 32 q, bytes 8 (a_kq % 2) ..
+      const int ao = (a_kq / 2) * kTcASlab + (a_row + 32 * q) * 16 + (a_kq % 2) * 8;
+      *reinterpret_cast<uint2*>(a_digits + ao) = digits8<0>(aw[q]);
+      *reinterpret_cast<uint2*>(a_digits + 2 * kTcASlab + ao) = digits8<1>(aw[q]);
+    }
+    {
+      // b: column block b_nq / 4, slab b_kq / 4, columns 4 (b_nq % 4) .., k 4 (b_kq % 4) ..: column c's four k are a word.
+      unsigned char* const bb = b_digits + ((b_nq / 4) * 2 + b_kq / 4) * kTcBBlock + (b_nq % 4) * 4 * 16 + (b_kq % 4) * 4;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // columns 2 w and 2 w + 1
+        // [row 0 col 2w, row 1 col 2w, row 0 col 2w+1, row 1 col 2w+1] of a digit, then rows 2 and 3 the same
+        const uint32_t h01 = __byte_perm(bw[0][w], bw[1][w], 0x7351u), h23 = __byte_perm(bw[2][w], bw[3][w], 0x7351u);
+        const uint32_t l01 = __byte_perm(bw[0][w], bw[1][w], 0x6240u), l23 = __byte_perm(bw[2][w], bw[3][w], 0x6240u);
+        *reinterpret_cast<uint32_t*>(bb + (2 * w) * 16) = __byte_perm(l01, l23, 0x5410u);
+        *reinterpret_cast<uint32_t*>(bb + (2 * w + 1) * 16) = __byte_perm(l01, l23, 0x7632u);
+        *reinterpret_cast<uint32_t*>(bb + 8 * kTcBBlock + (2 * w) * 16) = __byte_perm(h01, h23, 0x5410u);
+        *reinterpret_cast<uint32_t*>(bb + 8 * kTcBBlock + (2 * w + 1) * 16) = __byte_perm(h01, h23, 0x7632u);
+      }
+    }
+    __syncthreads();
+    if (k0 + kTcStageK < g.k) load_stage(k0 + kTcStageK);
+#pragma unroll
+    for (int slab = 0; slab < 2; ++slab) {
+      FragA fa[2][2];  // [digit][fragment row]
+      FragB fb[2][2];  // [digit][fragment column]
+#pragma unroll
+      for (int d = 0; d < 2; ++d)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          wmma::load_matrix_sync(fa[d][i], a_digits + d * 2 * kTcASlab + slab * kTcASlab + (32 * wr + 16 * i) * 16, 16);
+          wmma::load_matrix_sync(fb[d][i], b_digits + d * 8 * kTcBBlock + ((2 * wc + i) * 2 + slab) * kTcBBlock, 16);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          wmma::mma_sync(acc[0][i][j], fa[1][i], fb[1][j], acc[0][i][j]);
+          wmma::mma_sync(acc[1][i][j], fa[1][i], fb[0][j], acc[1][i][j]);
+          wmma::mma_sync(acc[1][i][j], fa[0][i], fb[1][j], acc[1][i][j]);
+          wmma::mma_sync(acc[2][i][j], fa[0][i], fb[0][j], acc[2][i][j]);
+        }
+    }
+    if (++stages == kTcFlushStages) {
+      flush();
+      stages = 0;
+    }
+  }
+  flush();
+  // The sums of a's rows: the four lanes tid = 4 r .. 4 r + 3 share a row; those of b's columns: lanes b_nq and
+  // b_nq + 16 of each warp, then the four warps' in the epilogue.
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    unsigned long long s = a_total[q];
+    s += __shfl_down_sync(0xffffffffu, s, 2, 4);
+    s += __shfl_down_sync(0xffffffffu, s, 1, 4);
+    if (a_kq == 0) row_sums[a_row + 32 * q] = s;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    unsigned long long s = b_total[c];
+    s += __shfl_down_sync(0xffffffffu, s, 16);
+    if (lane < 16) col_parts[warp][4 * b_nq + c] = s;
+  }
+  __syncthreads();
+
+  const bool stochastic = g.rounding == Rounding::kStochastic;
+  for (int e = tid; e < kTcTile * kTcTile; e += kTcThreads) {
+    const int r = e / kTcTile, c = e % kTcTile;
+    const int64_t i = m0 + r, j = n0 + c;
+    if (i >= g.m || j >= g.n) continue;
+    const unsigned long long col = col_parts[0][c] + col_parts[1][c] + col_parts[2][c] + col_parts[3][c];
+    const int64_t sum = fixed_unbias_sum(total[e], row_sums[r], col, static_cast<uint64_t>(g.k));
+    const int64_t o = i * g.n + j;
+    const int32_t code =
+        stochastic ? fixed_round_shift(sum, g.shift, Rounding::kStochastic,
+                                       philox_word(g.seed, g.offset + static_cast<uint64_t>(o), kStreamRound, 0))
+                   : fixed_round_shift(sum, g.shift, Rounding::kNearest, 0u);
+    out[o] = static_cast<typename FixedElem<O>::type>(code);
+  }
+#else
+  __trap();  // unreachable: the launcher takes this kernel on compute capability 7.2 and newer only
+#endif
+}
+
 }  // namespace
 
 void fixed_quantize_cuda(const FixedQuantizeArgs& a, void* stream) {
@@ -222,11 +476,37 @@ void fixed_quantize_cuda(const FixedQuantizeArgs& a, void* stream) {
   cuda_check(cudaGetLastError(), "fixed_point quantize launch");
 }
 
+FixedMatmulKernel fixed_matmul_kernel(int device) {
+  // The setting first: a value that is neither kernel is an error on every GPU.
+  const char* v = std::getenv("MPFUSED_FIXED_MATMUL_KERNEL");
+  const std::string s = v ? v : "";
+  if (!s.empty() && s != "tensor-cores" && s != "cuda-cores")
+    throw std::invalid_argument("MPFUSED_FIXED_MATMUL_KERNEL must be 'tensor-cores' or 'cuda-cores' (unset: the tensor "
+                                "cores where the GPU has integer ones), got '" + s + "'");
+  if (s == "cuda-cores") return FixedMatmulKernel::kCudaCores;
+  int major = 0, minor = 0;
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "fixed_point matmul: device query");
+  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "fixed_point matmul: device query");
+  const bool integer_mma = major * 10 + minor >= 72;
+  if (s == "tensor-cores" && !integer_mma)
+    throw std::invalid_argument("MPFUSED_FIXED_MATMUL_KERNEL=tensor-cores needs integer tensor cores (compute capability "
+                                "7.2 or newer); this GPU is sm_" + std::to_string(major) + std::to_string(minor));
+  return integer_mma ? FixedMatmulKernel::kTensorCores : FixedMatmulKernel::kCudaCores;
+}
+
 void fixed_matmul_cuda(const FixedMatmulArgs& g, void* stream) {
   if (g.m == 0 || g.n == 0) return;
   // The torch layer limits m and n so that the grid fits (rows of tiles <= 65535).
   const dim3 grid(static_cast<unsigned>((g.n + kTile - 1) / kTile), static_cast<unsigned>((g.m + kTile - 1) / kTile));
   auto s = static_cast<cudaStream_t>(stream);
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "fixed_point matmul: cudaGetDevice");
+  if (g.a_type == FixedType::kInt16 && g.b_type == FixedType::kInt16 &&
+      fixed_matmul_kernel(device) == FixedMatmulKernel::kTensorCores) {
+    dispatch_code_type(g.out_type, [&](auto ot) { matmul_tc_kernel<decltype(ot)::value><<<grid, kTcThreads, 0, s>>>(g); });
+    cuda_check(cudaGetLastError(), "fixed_point matmul launch");
+    return;
+  }
   dispatch_code_type(g.a_type, [&](auto at) {
     dispatch_code_type(g.b_type, [&](auto bt) {
       dispatch_code_type(g.out_type, [&](auto ot) {

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "check.h"
 #include "kernels.h"
@@ -65,6 +67,54 @@ void test_round_shift() {
   CHECK(fixed_macc_fits(32, 32, 1) && !fixed_macc_fits(32, 32, 2), "MACC bound, widest codes");
 }
 
+// The digit form of the int16 MACC (core/fixed_point.h: fixed_biased .. fixed_unbias_sum) against the direct
+// int64 sum: random codes and the extremes; and at K = 2^32 (the deepest fixed_macc_fits allows), where S
+// passes 2^64 and only its value modulo 2^64 is kept.
+void test_digit_form() {
+  std::mt19937 rng(5);
+  auto digit_dot = [](const std::vector<int16_t>& a, const std::vector<int16_t>& b) {
+    uint64_t hh = 0, mid = 0, ll = 0, sa = 0, sb = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      const uint32_t ua = fixed_biased(a[k]), ub = fixed_biased(b[k]);
+      hh += (ua >> 8) * (ub >> 8);
+      mid += (ua >> 8) * (ub & 255u) + (ua & 255u) * (ub >> 8);
+      ll += (ua & 255u) * (ub & 255u);
+      sa += ua;
+      sb += ub;
+    }
+    return fixed_unbias_sum(fixed_digit_sum(hh, mid, ll), sa, sb, a.size());
+  };
+  CHECK(fixed_biased(-32768) == 0u && fixed_biased(0) == 0x8000u && fixed_biased(32767) == 0xffffu && fixed_biased(-1) == 0x7fffu,
+        "biased codes");
+  for (const int64_t k : {int64_t{1}, int64_t{2}, int64_t{17}, int64_t{1000}, kFixedDigitSpan + 3, int64_t{1} << 20}) {
+    for (int pattern = 0; pattern < 5; ++pattern) {
+      std::vector<int16_t> a(static_cast<size_t>(k)), b(static_cast<size_t>(k));
+      int64_t direct = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const int16_t lo = -32768, hi = 32767;
+        const int16_t x = pattern == 0 ? lo : pattern <= 2 ? hi : static_cast<int16_t>(rng());
+        const int16_t y = pattern == 1 ? lo : pattern <= 2 ? x : static_cast<int16_t>(rng());
+        a[static_cast<size_t>(i)] = x;
+        b[static_cast<size_t>(i)] = y;
+        direct += int64_t{x} * y;
+      }
+      const int64_t got = digit_dot(a, b);
+      CHECK(got == direct, "digit form, K %lld pattern %d: %lld, direct %lld", static_cast<long long>(k), pattern,
+            static_cast<long long>(got), static_cast<long long>(direct));
+    }
+  }
+  {
+    const uint64_t k = uint64_t{1} << 32, u = 0xffffu;  // every code 32767: S = 2^32 (2^16 - 1)^2 wraps
+    const uint64_t s = k * (u * u), sums = k * u;
+    CHECK(fixed_unbias_sum(s, sums, sums, k) == (int64_t{32767} * 32767) << 32, "digit form at K = 2^32");
+    const uint64_t s_lo = 0;  // every code -32768: u = 0
+    CHECK(fixed_unbias_sum(s_lo, 0, 0, k) == int64_t{1} << 62, "digit form at K = 2^32, codes -2^15");
+  }
+  // The bound the kernel's flushes rely on: the middle sum of kFixedDigitSpan steps of the largest digits.
+  CHECK(2ull * 255 * 255 * static_cast<uint64_t>(kFixedDigitSpan) < (1ull << 31), "digit span bound");
+  CHECK(2ull * 255 * 255 * static_cast<uint64_t>(2 * kFixedDigitSpan) >= (1ull << 31), "digit span is the largest power of two");
+}
+
 void test_cpu_kernels() {
   const float src[5] = {0.125f, -0.125f, 100.f, 0.3f, NAN};
   int16_t codes[5];
@@ -89,6 +139,7 @@ void test_cpu_kernels() {
 int main() {
   test_convert();
   test_round_shift();
+  test_digit_form();
   test_cpu_kernels();
   return native_test::finish("test_fixed_point");
 }

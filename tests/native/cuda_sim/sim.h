@@ -290,6 +290,19 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return r;
 }
 
+// Byte n of the result is byte (s >> 4 n) & 7 of the eight bytes x (0-3), y (4-7) (the form without sign
+// replication: the kernels use selectors below 8).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t bytes = uint64_t{x} | (uint64_t{y} << 32);
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned sel = (s >> (4 * n)) & 0xfu;
+    if (sel > 7) mpf_sim::trap("__byte_perm: the simulator models selectors 0-7 only");
+    r |= static_cast<unsigned int>((bytes >> (8 * sel)) & 0xffu) << (8 * n);
+  }
+  return r;
+}
+
 inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
@@ -379,10 +392,14 @@ template <class Use, int M, int N, int K, class T, class Layout = void>
 struct fragment;
 
 // An operand: every lane holds the whole tile (a lane's share on the GPU is unspecified; the MMA needs all).
+// FP16/BF16 operands feed an FP32 accumulator, unsigned 8-bit ones (compute capability 7.2+) an int32 one.
+template <class T>
+using operand_value = std::conditional_t<std::is_same_v<T, unsigned char>, int, float>;
 template <class Use, class T, class Layout>
 struct operand_fragment {
-  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "FP16/BF16 operands");
-  float v[16 * 16];  // (row, col) of the 16 x 16 tile, row-major; exact widenings
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, unsigned char>,
+                "FP16/BF16 or unsigned 8-bit operands");
+  operand_value<T> v[16 * 16];  // (row, col) of the 16 x 16 tile, row-major; exact widenings
 };
 template <class T, class Layout>
 struct fragment<matrix_a, 16, 16, 16, T, Layout> : operand_fragment<matrix_a, T, Layout> {};
@@ -393,12 +410,17 @@ template <>
 struct fragment<accumulator, 16, 16, 16, float, void> {
   float v[16 * 16];
 };
+template <>
+struct fragment<accumulator, 16, 16, 16, int, void> {
+  int v[16 * 16];
+};
 
 inline void check_fragment_pointer(const void* p, unsigned ldm, unsigned elem_bytes, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % 32 != 0) mpf_sim::trap(std::string(what) + ": pointer not 32-byte aligned");
   if ((ldm * elem_bytes) % 16 != 0) mpf_sim::trap(std::string(what) + ": ldm not a multiple of 16 bytes");
 }
 
+inline int widen(unsigned char u) { return u; }
 inline float widen(__half h) { return __half2float(h); }
 inline float widen(__nv_bfloat16 h) { return __bfloat162float(h); }
 
@@ -414,6 +436,9 @@ void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsig
 inline void fill_fragment(fragment<accumulator, 16, 16, 16, float, void>& f, float value) {
   for (float& x : f.v) x = value;
 }
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, int, void>& f, int value) {
+  for (int& x : f.v) x = value;
+}
 
 template <class T, class LA, class LB>
 void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
@@ -423,6 +448,28 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<
     float s = c.v[e];
     for (int k = 0; k < 16; ++k) s += a.v[r * 16 + k] * b.v[k * 16 + col];  // products of 16-bit values: exact
     d.v[e] = s;
+  }
+}
+
+// Unsigned 8-bit operands, int32 sums: a sum past int32 traps (the hardware would wrap it silently; mpfused's
+// kernels move their sums to 64 bits before that can happen, and this checks it).
+template <class LA, class LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, int, void>& d, const fragment<matrix_a, 16, 16, 16, unsigned char, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, unsigned char, LB>& b, const fragment<accumulator, 16, 16, 16, int, void>& c) {
+  for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
+    const int r = static_cast<int>(e / 16), col = static_cast<int>(e % 16);
+    int64_t s = c.v[e];
+    for (int k = 0; k < 16; ++k) s += int64_t{a.v[r * 16 + k]} * b.v[k * 16 + col];
+    if (s > INT32_MAX || s < INT32_MIN) mpf_sim::trap("wmma::mma_sync: an int32 accumulator overflowed");
+    d.v[e] = static_cast<int>(s);
+  }
+}
+
+inline void store_matrix_sync(int* p, const fragment<accumulator, 16, 16, 16, int, void>& f, unsigned ldm, layout_t layout) {
+  check_fragment_pointer(p, ldm, 4, "wmma::store_matrix_sync");
+  for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
+    const unsigned r = e / 16, c = e % 16;
+    p[layout == mem_row_major ? r * ldm + c : c * ldm + r] = f.v[e];
   }
 }
 

@@ -625,6 +625,81 @@ size_t fixed_size(FixedType t) {
   return 0;
 }
 
+// The int16 MACC on the integer tensor cores (fixed_point.cu's matmul_tc_kernel) against the CPU's codes, and against
+// the CUDA-core kernel (MPFUSED_FIXED_MATMUL_KERNEL=cuda-cores): shapes with tails in every dimension and several
+// tiles, operands that start off their vectors' alignment (the element-wise loads), the extreme codes (digits 0
+// and 255) and depths past kFixedDigitSpan: with every code 32767, 16,584 steps pass the middle sum's int32 range
+// (2 * 255^2 a step), so the sums must have moved to 64 bits before (the simulator's integer MMA traps on an int32
+// overflow).
+void test_fixed_matmul_tensor_cores(std::mt19937& rng) {
+  struct Env {
+    explicit Env(const char* v) { v ? setenv("MPFUSED_FIXED_MATMUL_KERNEL", v, 1) : unsetenv("MPFUSED_FIXED_MATMUL_KERNEL"); }
+    ~Env() { unsetenv("MPFUSED_FIXED_MATMUL_KERNEL"); }
+  };
+  {
+    const mpf_sim::Config saved = mpf_sim::config();
+    Env e(nullptr);
+    CHECK(fixed_matmul_kernel(0) == FixedMatmulKernel::kTensorCores, "tensor cores by default on this device");
+    mpf_sim::config().cc_major = 7;
+    mpf_sim::config().cc_minor = 0;
+    CHECK(fixed_matmul_kernel(0) == FixedMatmulKernel::kCudaCores, "no integer tensor cores on sm_70");
+    Env t("tensor-cores");
+    CHECK(throws([] { (void)fixed_matmul_kernel(0); }), "tensor-cores asked of sm_70");
+    mpf_sim::config().cc_minor = 2;
+    CHECK(fixed_matmul_kernel(0) == FixedMatmulKernel::kTensorCores, "tensor-cores asked of sm_72");
+    Env u("fastest");
+    CHECK(throws([] { (void)fixed_matmul_kernel(0); }), "an unknown MPFUSED_FIXED_MATMUL_KERNEL");
+    mpf_sim::config() = saved;
+  }
+  struct Case {
+    int64_t m, n, k;
+    int pattern;  // 0: random codes, 1: +-2^15 extremes (digits 0 and 255), 2: every code 32767
+    size_t offset;  // bytes a and b start past a 16-byte boundary
+  };
+  std::vector<Case> cases = {{70, 130, 40, 0, 0},  {64, 64, 32, 1, 0},   {33, 61, 45, 0, 2},  {5, 9, 3, 1, 6},
+                             {129, 3, 100, 0, 0},   {2, 68, 8, 2, 8},     {64, 64, 0, 0, 0},
+                             {3, 5, kFixedDigitSpan + 200, 2, 0}, {17, 6, kFixedDigitSpan + 9, 1, 4}};
+  if (small_scale()) cases = {cases[0], cases[2], cases[3], cases[7]};
+  for (const Case& c : cases) {
+    Buf a(static_cast<size_t>(c.m * c.k) * 2, c.offset), b(static_cast<size_t>(c.k * c.n) * 2, c.offset);
+    auto fill = [&](Buf& x, int64_t count) {
+      for (int64_t i = 0; i < count; ++i)
+        x.as<int16_t>()[i] = c.pattern == 0   ? static_cast<int16_t>(rng())
+                             : c.pattern == 1 ? static_cast<int16_t>(rng() % 2 ? 32767 : -32768)
+                                              : static_cast<int16_t>(32767);
+    };
+    fill(a, c.m * c.k);
+    fill(b, c.k * c.n);
+    for (FixedType ot : {FixedType::kInt16, FixedType::kInt32})
+      for (Rounding mode : {Rounding::kNearest, Rounding::kStochastic}) {
+        // The exact sums reach 2^44 here: shift 40 keeps their top bits, 12 saturates the int16 outputs.
+        for (int shift : {0, 12, 40}) {
+          const int owl = ot == FixedType::kInt16 ? 16 : 32;
+          const FixedShift sh{shift, -(int64_t{1} << (owl - 1)), (int64_t{1} << (owl - 1)) - 1};
+          const size_t bytes = static_cast<size_t>(c.m * c.n) * fixed_size(ot);
+          Buf oh(bytes, 0), tc(bytes, 0), cc(bytes, 0);  // (outputs are torch's new tensors: aligned)
+          FixedMatmulArgs g{a.data, FixedType::kInt16, b.data, FixedType::kInt16, oh.data, ot, c.m, c.n, c.k, sh, mode, 9, 3};
+          fixed_matmul_cpu(g, 1);
+          {
+            Env e(nullptr);
+            g.out = tc.data;
+            CHECK(!throws([&] { fixed_matmul_cuda(g, nullptr); }), "fixed matmul, tensor cores");
+          }
+          {
+            Env e("cuda-cores");
+            g.out = cc.data;
+            CHECK(!throws([&] { fixed_matmul_cuda(g, nullptr); }), "fixed matmul, CUDA cores");
+          }
+          CHECK(oh.same(tc) && oh.same(cc), "fixed matmul %lldx%lldx%lld pattern %d offset %zu out %d mode %d shift %d: "
+                "tensor cores %s, CUDA cores %s", static_cast<long long>(c.m), static_cast<long long>(c.n),
+                static_cast<long long>(c.k), c.pattern, c.offset, static_cast<int>(ot), static_cast<int>(mode), shift,
+                oh.same(tc) ? "equal" : "DIFFER", oh.same(cc) ? "equal" : "DIFFER");
+          if (c.k > kFixedDigitSpan) break;  // (the deep cases once per output type and mode: their time is the MMAs')
+        }
+      }
+  }
+}
+
 void test_fixed_point(std::mt19937& rng) {
   std::normal_distribution<double> normal(0.0, 4.0);
   const int64_t n = small_scale() ? 1500 : 20011;
@@ -707,6 +782,7 @@ void test_fixed_point(std::mt19937& rng) {
                   static_cast<long long>(s.n), static_cast<long long>(s.k), static_cast<int>(at), static_cast<int>(ot),
                   static_cast<int>(mode), shift);
           }
+  test_fixed_matmul_tensor_cores(rng);
 }
 
 // ---- the loss-scale update --------------------------------------------------------------------------------------------
