@@ -383,6 +383,7 @@ void launch(const KernelParams& kp, const GemmPlan& plan, cudaStream_t stream) {
 struct Sm90Outcome {
   const char* why = nullptr;
   bool unexpected = false;
+  bool no_cluster = false;  // only the cluster did not fit: the kernel without clusters may still run
 };
 
 // The calling thread's last gemm_cuda call (gemm_last_launch).
@@ -770,7 +771,7 @@ Sm90Outcome launch_sm90(const Sm90Params& p, int64_t work, int sms, cudaStream_t
       (void)cudaGetLastError();  // this call's error, not sticky: clear it
       clusters = 0;
     }
-    if (clusters <= 0) return {"no cluster of two CTAs fits this device (cudaOccupancyMaxActiveClusters)", true};
+    if (clusters <= 0) return {"no cluster of two CTAs fits this device (cudaOccupancyMaxActiveClusters)", true, true};
     const int64_t n = work < clusters ? work : clusters;
     config.gridDim = dim3(static_cast<unsigned>(n * kCluster));
     cuda_check(cudaLaunchKernelEx(&config, kernel, p), "gemm kernel launch");
@@ -909,12 +910,20 @@ void gemm_cuda(const GemmArgs& args, void* stream_ptr) {
     // In clusters only where there are two tile rows to pair: with one, the second CTA would only repeat the first's
     // MMAs.
     const bool pairs = gemm_kernel_choice() == GemmKernelChoice::kWgmmaCluster && args.m > 128;  // kSm90BlockM
+    const auto unclustered = [&] {
+      return bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream) : dispatch_layout_sm90<__half, 1>(kp, device, stream);
+    };
     const Sm90Outcome out = pairs ? (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 2>(kp, device, stream)
                                           : dispatch_layout_sm90<__half, 2>(kp, device, stream))
-                                  : (bf16 ? dispatch_layout_sm90<__nv_bfloat16, 1>(kp, device, stream)
-                                          : dispatch_layout_sm90<__half, 1>(kp, device, stream));
+                                  : unclustered();
     if (!out.why) {
       last_launch = {true, pairs ? GemmKernelChoice::kWgmmaCluster : GemmKernelChoice::kWgmma, nullptr, false};
+      return;
+    }
+    // No cluster of two fits (a device or partition with too few free SMs in a GPC): the Hopper kernel without
+    // clusters, which gives the same results; the record keeps why the clusters were passed over.
+    if (out.no_cluster && !unclustered().why) {
+      last_launch = {true, GemmKernelChoice::kWgmma, out.why, out.unexpected};
       return;
     }
     last_launch.passed_over = out.why;

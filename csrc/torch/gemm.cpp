@@ -219,14 +219,16 @@ std::tuple<at::Tensor, at::Tensor> gemm_impl(const at::Tensor& a, const at::Tens
     out = at::empty(shape, out_options);
     g.out = out.data_ptr();
     mpf::gemm_cuda(g, c10::cuda::getCurrentCUDAStream(device.index()).stream());
-    // MPFUSED_GEMM_KERNEL asked for the Hopper kernel and the device or driver refused it: the WMMA kernel ran
-    // (the same results), which a user measuring the Hopper kernel must know. Once a process.
+    // MPFUSED_GEMM_KERNEL asked for the Hopper kernel (or its clusters) and the device or driver refused it: the WMMA
+    // kernel (or the Hopper kernel without clusters) ran, with the same results, which a user measuring the Hopper
+    // kernel must know. Once a process.
     if (const mpf::GemmLaunch l = mpf::gemm_last_launch(); l.unexpected) {
       const char* choice = std::getenv("MPFUSED_GEMM_KERNEL");
       TORCH_WARN_ONCE("MPFUSED_GEMM_KERNEL asks for the Hopper GEMM kernel (", choice ? choice : "", "), but it cannot ",
-                      "run here: ", l.passed_over,
-                      ". The WMMA kernel runs instead (the same results); mpfused._C.gemm_last_cuda_launch() says "
-                      "which kernel the last call took.");
+                      "run here: ", l.passed_over, ". The ",
+                      l.kernel == mpf::GemmKernelChoice::kWgmma ? "Hopper kernel without clusters" : "WMMA kernel",
+                      " runs instead (the same results); mpfused._C.gemm_last_cuda_launch() says which kernel the last "
+                      "call took.");
     }
 #endif
   }

@@ -1128,12 +1128,15 @@ void test_gemm_wgmma_cluster(std::mt19937& rng) {
             "persistent clusters: %ld work items on %d SMs: %ld blocks", work, n_sms, mpf_sim::stats().blocks - blocks);
     }
   }
-  // A device with one SM holds no cluster of two: the WMMA kernel runs.
+  // A device with one SM holds no cluster of two: the Hopper kernel runs without clusters (one block).
   cfg.sms = 1;
+  const long before = mpf_sim::stats().blocks;
   gemm_case({1, 136, 264, 72, false, true, 0, DType::kFloat16, DType::kFloat32, true, false, false, Activation::kNone, false}, rng);
-  CHECK(mpf_sim::stats().last_dynamic_smem <= 64 * 1024, "no cluster fits: the WMMA kernel");
-  CHECK(gemm_last_launch().unexpected && std::string(gemm_last_launch().passed_over).find("cluster") != std::string::npos,
-        "no cluster fits: gemm_last_launch says why");
+  CHECK(mpf_sim::stats().last_dynamic_smem > 64 * 1024 && mpf_sim::stats().blocks - before == 1,
+        "no cluster fits: the Hopper kernel without clusters (%ld blocks)", mpf_sim::stats().blocks - before);
+  CHECK(gemm_last_launch().launched && gemm_last_launch().kernel == GemmKernelChoice::kWgmma && gemm_last_launch().unexpected &&
+            std::string(gemm_last_launch().passed_over).find("cluster") != std::string::npos,
+        "no cluster fits: gemm_last_launch says the clusters were passed over, and why");
   cfg.sms = sms;
 }
 
