@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 
+from mpfused import _ops
 from mpfused import fixed_point as fxp
 
 from .goals import goal
@@ -98,7 +99,12 @@ def matmul_methods(size: int, device: torch.device) -> tuple[list[tuple[str, Any
     shift = FMT[1] * 2 - OUT_FMT[1]
     floor, rem = exact >> shift, exact & ((1 << shift) - 1)
     ref = (floor + (rem > (1 << (shift - 1))).long()).clamp(-(1 << 15), (1 << 15) - 1)
-    kernels = [("tensor-cores", "tensor cores"), ("cuda-cores", "CUDA cores")] if device.type == "cuda" else [(None, "")]
+    kernels: list[tuple[Optional[str], str]] = [(None, "")]
+    if device.type == "cuda":  # both of ours where the GPU has integer tensor cores, else the CUDA-core one alone
+        kernels = [("cuda-cores", "CUDA cores")]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _ops._C.fixed_matmul_cuda_kernel(index) == "tensor-cores":
+            kernels.insert(0, ("tensor-cores", "tensor cores"))
     methods = []
     for kernel, label in kernels:
         tag = f", {label}" if label else ""

@@ -559,6 +559,7 @@ def test_cuda_macc_on_tensor_cores_matches_cpu(monkeypatch):
     gen = torch.Generator().manual_seed(21)
     major, minor = torch.cuda.get_device_capability()
     expected = "tensor-cores" if (major, minor) >= (7, 2) else "cuda-cores"
+    monkeypatch.delenv("MPFUSED_FIXED_MATMUL_KERNEL", raising=False)
     assert _ops._C.fixed_matmul_cuda_kernel(torch.cuda.current_device()) == expected
     cases = [((70, 40, 130), "random", 0), ((33, 45, 61), "random", 1), ((5, 3, 9), "extremes", 3),
              ((129, 100, 3), "random", 0), ((64, 32, 64), "extremes", 0), ((2, 8, 68), "max", 4),

@@ -225,8 +225,11 @@ constexpr int kTcThreads = 128;
 constexpr int kTcTile = 64;
 constexpr int kTcStageK = 32;
 constexpr int kTcFlushStages = static_cast<int>(kFixedDigitSpan / kTcStageK);  // stages between moves to 64 bits
-constexpr int kTcASlab = kTcTile * 16 + 32;   // bytes of a 16-k slab of a's digits (32 bytes of padding)
+// Bytes of a 16-k slab of a's digits: 64 bytes of padding put the two slabs' rows 16 banks apart, so that a warp's
+// 8-byte stores (two slabs, eight rows) take the two wavefronts of 256 bytes (32 bytes of padding took four).
+constexpr int kTcASlab = kTcTile * 16 + 64;
 constexpr int kTcBBlock = 16 * 16 + 32;        // bytes of 16 columns by 16 k of b's digits
+static_assert(kTcTile == kTile, "the launcher's grid is the CUDA-core kernel's, of kTile x kTile tiles");
 static_assert(kTcASlab % 32 == 0 && kTcBBlock % 32 == 0, "fragment pointers are 32-byte aligned");
 static_assert(kFixedDigitSpan % kTcStageK == 0, "whole stages between moves");
 
@@ -271,7 +274,7 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
   __shared__ __align__(128) int32_t scratch[4 * 256];                  // a warp's 16 x 16 accumulator on its way
   __shared__ __align__(16) unsigned long long total[kTcTile * kTcTile];  // the tile's S, modulo 2^64
   __shared__ __align__(16) unsigned long long row_sums[kTcTile];         // sum over k of a's biased codes
-  __shared__ __align__(16) unsigned long long col_parts[4][kTcTile];     // the same of b's, a warp's rows
+  __shared__ __align__(16) unsigned long long col_parts[2][kTcTile];     // the same of b's, per 16-k slab
   const auto* __restrict__ a = static_cast<const int16_t*>(g.a);
   const auto* __restrict__ b = static_cast<const int16_t*>(g.b);
   auto* __restrict__ out = static_cast<typename FixedElem<O>::type*>(g.out);
@@ -281,8 +284,6 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
   // Whole vector loads where every row of the operand starts aligned for them.
   const bool a_vec = g.k % 8 == 0 && (reinterpret_cast<uintptr_t>(a) & 15u) == 0;
   const bool b_vec = g.n % 4 == 0 && (reinterpret_cast<uintptr_t>(b) & 7u) == 0;  // (8-byte loads)
-  for (int e = tid; e < kTcTile * kTcTile; e += kTcThreads) total[e] = 0;
-  __syncthreads();
 
   FragAcc acc[3][2][2];  // [0: hi*hi, 1: hi*lo + lo*hi, 2: lo*lo][fragment row][fragment column]
 #pragma unroll
@@ -291,17 +292,23 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[d][i][j], 0);
-  // A thread stages a's rows tid / 4 and tid / 4 + 32 (eight k at 8 (tid % 4)) and b's k rows 4 (tid / 16) ..
-  // 4 (tid / 16) + 3 (four columns at 4 (tid % 16), which it turns into four words of four k each), and sums the
+  // A thread stages a's rows tid / 4 and tid / 4 + 32 (eight k at 8 (tid % 4)), and four k rows by four columns of
+  // b: warp w takes slab b_slab = w % 2 and columns 32 (w / 2) .. + 31, lane l k rows 16 b_slab + 4 (l % 4) .. + 3
+  // and columns 32 (w / 2) + 4 (l / 4) .. + 3, which it turns into a word of four k digits a column. It sums the
   // biased codes it stages: 32-bit sums between moves (at most 8 * 65535 a row or column and stage, 2^28 between
   // moves), 64-bit ones across them.
-  const int a_row = tid / 4, a_kq = tid % 4, b_kq = tid / 16, b_nq = tid % 16;
+  const int a_row = tid / 4, a_kq = tid % 4;
+  const int b_slab = warp % 2, b_kq = lane % 4, b_q = lane / 4, b_col = 32 * (warp / 2) + 4 * b_q;
   uint32_t a_sum[2] = {0, 0}, b_sum[4] = {0, 0, 0, 0};
   unsigned long long a_total[2] = {0, 0}, b_total[4] = {0, 0, 0, 0};
   // Moves the warp's three accumulators into the tile's 64-bit sums, through the warp's 1 KB of scratch (the
   // fragments' element order is the GPU's own: a lane reads back 8 consecutive elements of the stored tile).
-  const auto flush = [&]() {
+  // The first move writes the tile's sums (no zeroing before), the later ones add. A lane takes column lane % 16 of
+  // rows lane / 16, lane / 16 + 2, ...: each read of the scratch is one contiguous 128 bytes, each access of the sums
+  // two rows of 128 bytes.
+  const auto flush = [&](bool first) {
     int32_t* const sc = scratch + warp * 256;
+    const int cl = lane % 16, r0 = lane / 16;
 #pragma unroll
     for (int d = 0; d < 3; ++d)
 #pragma unroll
@@ -310,12 +317,12 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
         for (int j = 0; j < 2; ++j) {
           wmma::store_matrix_sync(sc, acc[d][i][j], 16, wmma::mem_row_major);
           __syncwarp();
-          const int r = lane / 2, c0 = (lane % 2) * 8;
-          unsigned long long* const t = total + (32 * wr + 16 * i + r) * kTcTile + 32 * wc + 16 * j + c0;
+          unsigned long long* const t = total + (32 * wr + 16 * i) * kTcTile + 32 * wc + 16 * j + cl;
 #pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const unsigned long long v = static_cast<uint32_t>(sc[r * 16 + c0 + c]);
-            t[c] += d == 0 ? v << 16 : d == 1 ? v << 8 : v;  // core/fixed_point.h: fixed_digit_sum
+          for (int r = r0; r < 16; r += 2) {
+            const unsigned long long v = static_cast<uint32_t>(sc[r * 16 + cl]);
+            const unsigned long long w = d == 0 ? v << 16 : d == 1 ? v << 8 : v;  // core/fixed_point.h: fixed_digit_sum
+            t[r * kTcTile] = first && d == 0 ? w : t[r * kTcTile] + w;
           }
           __syncwarp();
           wmma::fill_fragment(acc[d][i][j], 0);
@@ -344,13 +351,14 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int64_t kb = k0 + 4 * b_kq + r, col = n0 + 4 * b_nq;
+      const int64_t kb = k0 + 16 * b_slab + 4 * b_kq + r, col = n0 + b_col;
       const int64_t count = kb < g.k ? (g.n - col < 4 ? g.n - col : 4) : 0;
       load_codes<4>(bw[r], b + kb * g.n + col, count > 0 ? static_cast<int>(count) : 0, b_vec && count == 4);
     }
   };
   if (g.k > 0) load_stage(0);
   int stages = 0;
+  bool first_flush = true;
   for (int64_t k0 = 0; k0 < g.k; k0 += kTcStageK) {
 #pragma unroll
     for (int q = 0; q < 2; ++q)
@@ -375,17 +383,30 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
       *reinterpret_cast<uint2*>(a_digits + 2 * kTcASlab + ao) = digits8<1>(aw[q]);
     }
     {
-      // b: column block b_nq / 4, slab b_kq / 4, columns 4 (b_nq % 4) .., k 4 (b_kq % 4) ..: column c's four k are a word.
-      unsigned char* const bb = b_digits + ((b_nq / 4) * 2 + b_kq / 4) * kTcBBlock + (b_nq % 4) * 4 * 16 + (b_kq % 4) * 4;
+      // b: column c of the lane's four is the word of its four k digits, at column b_col + c of the tile: block
+      // (b_col + c) / 16 of slab b_slab, bytes 16 ((b_col + c) % 16) + 4 b_kq. Lane groups start at different
+      // columns of their four (rotation (b_q / 2) % 4), so that each store of the warp hits 32 banks.
+      uint32_t lo[4], hi[4];
 #pragma unroll
       for (int w = 0; w < 2; ++w) {  // columns 2 w and 2 w + 1
         // [row 0 col 2w, row 1 col 2w, row 0 col 2w+1, row 1 col 2w+1] of a digit, then rows 2 and 3 the same
         const uint32_t h01 = __byte_perm(bw[0][w], bw[1][w], 0x7351u), h23 = __byte_perm(bw[2][w], bw[3][w], 0x7351u);
         const uint32_t l01 = __byte_perm(bw[0][w], bw[1][w], 0x6240u), l23 = __byte_perm(bw[2][w], bw[3][w], 0x6240u);
-        *reinterpret_cast<uint32_t*>(bb + (2 * w) * 16) = __byte_perm(l01, l23, 0x5410u);
-        *reinterpret_cast<uint32_t*>(bb + (2 * w + 1) * 16) = __byte_perm(l01, l23, 0x7632u);
-        *reinterpret_cast<uint32_t*>(bb + 8 * kTcBBlock + (2 * w) * 16) = __byte_perm(h01, h23, 0x5410u);
-        *reinterpret_cast<uint32_t*>(bb + 8 * kTcBBlock + (2 * w + 1) * 16) = __byte_perm(h01, h23, 0x7632u);
+        lo[2 * w] = __byte_perm(l01, l23, 0x5410u);
+        lo[2 * w + 1] = __byte_perm(l01, l23, 0x7632u);
+        hi[2 * w] = __byte_perm(h01, h23, 0x5410u);
+        hi[2 * w + 1] = __byte_perm(h01, h23, 0x7632u);
+      }
+      const int rot = (b_q / 2) % 4;
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int c = (step + rot) % 4;  // selected, not indexed: the words stay in registers
+        const uint32_t l = c == 0 ? lo[0] : c == 1 ? lo[1] : c == 2 ? lo[2] : lo[3];
+        const uint32_t h = c == 0 ? hi[0] : c == 1 ? hi[1] : c == 2 ? hi[2] : hi[3];
+        const int col = b_col + c;
+        unsigned char* const bb = b_digits + ((col / 16) * 2 + b_slab) * kTcBBlock + (col % 16) * 16 + 4 * b_kq;
+        *reinterpret_cast<uint32_t*>(bb) = l;
+        *reinterpret_cast<uint32_t*>(bb + 8 * kTcBBlock) = h;
       }
     }
     __syncthreads();
@@ -412,13 +433,14 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
         }
     }
     if (++stages == kTcFlushStages) {
-      flush();
+      flush(first_flush);
+      first_flush = false;
       stages = 0;
     }
   }
-  flush();
-  // The sums of a's rows: the four lanes tid = 4 r .. 4 r + 3 share a row; those of b's columns: lanes b_nq and
-  // b_nq + 16 of each warp, then the four warps' in the epilogue.
+  flush(first_flush);
+  // The sums of a's rows: the four lanes tid = 4 r .. 4 r + 3 share a row; those of b's columns: the four lanes
+  // 4 b_q .. 4 b_q + 3 share four columns, then the two slabs' warps' in the epilogue.
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     unsigned long long s = a_total[q];
@@ -429,8 +451,9 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     unsigned long long s = b_total[c];
-    s += __shfl_down_sync(0xffffffffu, s, 16);
-    if (lane < 16) col_parts[warp][4 * b_nq + c] = s;
+    s += __shfl_down_sync(0xffffffffu, s, 2, 4);
+    s += __shfl_down_sync(0xffffffffu, s, 1, 4);
+    if (b_kq == 0) col_parts[b_slab][b_col + c] = s;
   }
   __syncthreads();
 
@@ -439,7 +462,7 @@ __global__ void __launch_bounds__(kTcThreads) matmul_tc_kernel(FixedMatmulArgs g
     const int r = e / kTcTile, c = e % kTcTile;
     const int64_t i = m0 + r, j = n0 + c;
     if (i >= g.m || j >= g.n) continue;
-    const unsigned long long col = col_parts[0][c] + col_parts[1][c] + col_parts[2][c] + col_parts[3][c];
+    const unsigned long long col = col_parts[0][c] + col_parts[1][c];
     const int64_t sum = fixed_unbias_sum(total[e], row_sums[r], col, static_cast<uint64_t>(g.k));
     const int64_t o = i * g.n + j;
     const int32_t code =
@@ -487,11 +510,23 @@ FixedMatmulKernel fixed_matmul_kernel(int device) {
   int major = 0, minor = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "fixed_point matmul: device query");
   cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "fixed_point matmul: device query");
-  const bool integer_mma = major * 10 + minor >= 72;
-  if (s == "tensor-cores" && !integer_mma)
-    throw std::invalid_argument("MPFUSED_FIXED_MATMUL_KERNEL=tensor-cores needs integer tensor cores (compute capability "
-                                "7.2 or newer); this GPU is sm_" + std::to_string(major) + std::to_string(minor));
-  return integer_mma ? FixedMatmulKernel::kTensorCores : FixedMatmulKernel::kCudaCores;
+  if (major * 10 + minor < 72) {
+    if (s == "tensor-cores")
+      throw std::invalid_argument("MPFUSED_FIXED_MATMUL_KERNEL=tensor-cores needs integer tensor cores (compute capability "
+                                  "7.2 or newer); this GPU is sm_" + std::to_string(major) + std::to_string(minor));
+    return FixedMatmulKernel::kCudaCores;
+  }
+  // The image that runs must have been compiled for 7.2+ too (a TORCH_CUDA_ARCH_LIST naming 7.0 gives a 7.5 GPU the
+  // sm_70 code, whose kernel is a trap). Queried on the current device, which the callers made `device`.
+  cudaFuncAttributes attr{};
+  cuda_check(cudaFuncGetAttributes(&attr, matmul_tc_kernel<FixedType::kInt32>), "fixed_point matmul: kernel query");
+  if (attr.ptxVersion < 72) {
+    if (s == "tensor-cores")
+      throw std::invalid_argument("MPFUSED_FIXED_MATMUL_KERNEL=tensor-cores: this build's code for this GPU was compiled "
+                                  "for compute_" + std::to_string(attr.ptxVersion) + ", without integer MMAs (7.2+)");
+    return FixedMatmulKernel::kCudaCores;
+  }
+  return FixedMatmulKernel::kTensorCores;
 }
 
 void fixed_matmul_cuda(const FixedMatmulArgs& g, void* stream) {
