@@ -123,6 +123,25 @@ def _convert(device: torch.device) -> None:
     fp.quantize(x, 2, 14, rounding="stochastic", seed=1, out=torch.empty_like(x))
 
 
+def _macc_tensor_cores(device: torch.device) -> None:
+    import mpfused.fixed_point as fp
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-(1 << 15), 1 << 15, (2048, 2048), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
+            for _ in range(2))
+    fp.matmul(a, b, (4, 12), (4, 12), (8, 8))
+
+
+def _macc_unavailable() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from mpfused import _ops
+
+    if _ops._C.fixed_matmul_cuda_kernel(torch.cuda.current_device()) != "tensor-cores":
+        return "this GPU or build has no integer tensor-core MACC (compute capability 7.2+)"
+    return None
+
+
 # In the order a short window should take them: the largest gaps first.
 WORKLOADS: dict[str, Workload] = {
     "adamw-fp16-stochastic": Workload("optim_kernel", "stochastic / nearest step <= 1.10", _adamw(False, "stochastic")),
@@ -139,6 +158,10 @@ WORKLOADS: dict[str, Workload] = {
     "gemm-fp16-4096-wgmma-cluster": Workload("gemm_sm90_kernel", "Hopper GEMM >= 50% of cuBLAS",
                                              _gemm_wgmma("wgmma-cluster"), _hopper_unavailable("wgmma-cluster")),
     "convert-stochastic": Workload("quantize_kernel", "Convert >= 85% of the copy roof", _convert),
+    # not a goal: the first profile of the fixed-point MACC on the integer tensor cores (tensor-pipe use, shared
+    # memory wavefronts, occupancy at 168 registers)
+    "macc-int16-tensor-cores": Workload("matmul_tc_kernel", "INFO: fixed-point MACC on the integer tensor cores",
+                                        _macc_tensor_cores, _macc_unavailable),
 }
 
 # ncu's section names, and the metrics of its details page the summary keeps (name in the CSV -> column). A
