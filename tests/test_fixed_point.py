@@ -529,6 +529,26 @@ def test_cuda_matches_cpu_bit_for_bit(device):
             assert torch.equal(gpu.cpu(), cpu)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 255, 17), (2, 256, 64), (5, 257, 65), (4, 1_000, 130), (7, 2_049, 3)])
+def test_macc_of_int16_codes_is_exact_at_the_extremes(m, k, n):
+    """The MACC of int16 codes (on avx2/avx512 by pairs of k through 16-bit multiply-adds, a code split into a signed
+    high and an unsigned low digit, 32-bit sums moved to 64 bits every 256 steps of k) equals the int64 product
+    rounded once: random codes and the extremes +-2^15, odd K, K across several moves, columns and rows off the
+    register blocks."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    cases = [random_codes((m, k), (4, 12), gen, torch.int16), random_codes((k, n), (4, 12), gen, torch.int16)]
+    ext = [torch.where(torch.rand(s, generator=gen) < 0.5, 32767, -32768).to(torch.int16) for s in ((m, k), (k, n))]
+    # every code 32767 in a and -32768 in b (and -32768 in both): each digit's sum grows the same way at every step
+    # of k, past int32's range by K ~ 1000 unless the 32-bit sums move to 64 bits in time
+    same = [(torch.full((m, k), x, dtype=torch.int16), torch.full((k, n), -32768, dtype=torch.int16)) for x in (32767, -32768)]
+    for a, b in (cases, ext, (ext[0], cases[1]), *same):
+        exact = a.long() @ b.long()
+        shift = 16  # <4,12> x <4,12> -> <24,8>: int32 codes, which hold every sum here
+        floor, rem = exact >> shift, exact & ((1 << shift) - 1)
+        expected = floor + (rem > (1 << (shift - 1))).long()
+        assert torch.equal(fxp.matmul(a, b, (4, 12), (4, 12), (24, 8)).long(), expected)
+
+
 def test_macc_kernel_query_without_a_gpu():
     """_C.fixed_matmul_cuda_kernel names the CUDA MACC kernel of int16 codes; without CUDA kernels or without a device
     it is a clear error, not a crash."""

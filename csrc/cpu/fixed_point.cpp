@@ -2,7 +2,10 @@
 // on Philox block boundaries, and the MACC parallel over output rows. Every element's random bits depend
 // only on its index, and the sums are exact integers, so results are the same for every thread count and
 // CPU path.
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <new>
 
 #include "../kernels.h"
 #include "isa.h"
