@@ -141,12 +141,6 @@ at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t 
     fail("on CUDA, a_codes may have at most 4194240 rows (the grid's 65535 rows of 64-row tiles), got " + describe(a));
   check_offset(offset, m * n);
 
-#ifdef MPFUSED_WITH_CUDA
-  if (device.is_cuda() && a_type == mpf::FixedType::kInt16 && b_type == mpf::FixedType::kInt16) {
-    const c10::cuda::CUDAGuard guard(device);
-    (void)mpf::fixed_matmul_kernel(device.index());  // MPFUSED_FIXED_MATMUL_KERNEL's value, checked before anything
-  }
-#endif
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   const mpf::FixedShift shift{fa.fl + fb.fl - fo.fl, mpf::fixed_code_min(fo), mpf::fixed_code_max(fo)};
