@@ -209,9 +209,9 @@ def _check_loss_scale(loss_scale) -> Union[str, float]:
         raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {type(loss_scale).__name__} "
                          f"{loss_scale!r}")
     value = float(loss_scale)
-    if not math.isfinite(value) or value <= 0 or value > 3.4e38:
-        raise ValueError(f"loss_scale must be a positive finite number (a static scale) or \"dynamic\", got "
-                         f"{loss_scale!r}")
+    if not math.isfinite(value) or value < 2.0**-126 or value > 3.4e38:  # (the scaler's float32 range: 2**-126 up)
+        raise ValueError(f"loss_scale must be a positive finite number in [2**-126, 3.4e38] (a static scale) or "
+                         f"\"dynamic\", got {loss_scale!r}")
     return value
 
 

@@ -95,6 +95,8 @@ def _number(name: str, value, what: str) -> float:
     checkpoint or a config may hold; torch's scaler takes them too). A bool (numpy's too: not a
     numbers.Real), NaN or anything else is a ValueError naming ``name``."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        if value.device.type == "meta":  # (no value to read)
+            raise ValueError(f"{name} must be {what}, got a tensor on the meta device, which holds no value")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
         raise ValueError(f"{name} must be {what}, got {value!r}")
@@ -118,10 +120,16 @@ def _check_int(name: str, value, lo: int, hi: int = 2**31 - 1, hi_text: str = "2
     return v
 
 
+# The smallest scale taken: FP32's smallest normal number. A smaller one is a subnormal or 0 once stored as the
+# float32 scale (1e-46 is 0: every gradient would become 0 and the unscale 0 * inf = NaN), its inverse may
+# pass FP32's largest finite value (1 / 1e-40 is inf), and a device flushing subnormals reads it as 0.
+_MIN_SCALE = 2.0**-126
+
+
 def _check_scale(name: str, value) -> float:
-    what = f"a finite number in (0, {_FLT_MAX:g}] (a float32 scale)"
+    what = f"a finite number in [2**-126, {_FLT_MAX:g}] (a normal float32 scale, with a finite inverse)"
     v = _number(name, value, what)
-    if not (math.isfinite(v) and 0.0 < v <= _FLT_MAX):
+    if not (math.isfinite(v) and _MIN_SCALE <= v <= _FLT_MAX):
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return v
 
@@ -797,6 +805,11 @@ class GradScaler(torch.amp.GradScaler):
         dynamic = sd.get("dynamic", self._dynamic)
         if not isinstance(dynamic, bool):
             raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
+        # the constructor's rule: a dynamic scale starts inside its clamps (the update would move it there at
+        # once, as if an overflow or a growth had happened)
+        if dynamic and not ((min_scale or 0.0) <= sd["scale"] <= (math.inf if max_scale is None else max_scale)):
+            raise ValueError(f"state_dict['scale'] ({sd['scale']}) must lie in [min_scale, max_scale] = "
+                             f"[{min_scale}, {max_scale}]")
         skipped = _check_int("state_dict['_skipped_steps']", sd.get("_skipped_steps", self.skipped_steps), 0,
                              2**63 - 1, "2**63 - 1")
         # every value is valid: write

@@ -590,6 +590,9 @@ def test_an_lr_scheduler_made_before_initialize_warns(device):
     (dict(loss_scale=True), ValueError, "loss_scale must be \"dynamic\""),
     (dict(loss_scale=torch.tensor(2.0)), ValueError, "loss_scale must be \"dynamic\""),
     (dict(loss_scale=np.float32("nan")), ValueError, "loss_scale must be a positive"),
+    # stored as the float32 scale, 1e-46 is 0 and 1e-40 a subnormal whose inverse is inf
+    (dict(loss_scale=1e-46), ValueError, "loss_scale must be a positive"),
+    (dict(loss_scale=1e-40), ValueError, "loss_scale must be a positive"),
     (dict(master_weights="yes"), ValueError, "master_weights must be None, True or False"),
     (dict(keep_batchnorm_fp32=1), ValueError, "keep_batchnorm_fp32 must be None, True or False"),
     (dict(opt_level="O1", master_weights=True), ValueError, "master_weights=True has no meaning at O1"),

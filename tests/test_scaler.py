@@ -2,6 +2,7 @@
 accumulation, state dicts, non-fused optimizers and two-process distributed training."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -405,6 +406,28 @@ def test_update_checks_a_cpu_tensor_new_scale():
     assert scaler.get_scale() == 16.0 and scaler._inv_scale.item() == 1 / 16
 
 
+def test_scales_that_float32_cannot_hold_with_a_finite_inverse_raise():
+    """A scale is a float32 tensor, and its inverse too: 1e-46 would be stored as 0 (every gradient 0, the
+    unscale 0 * inf = NaN) and 1e-40 as a subnormal whose inverse is inf. FP32's smallest normal number is the
+    smallest scale taken, in every place a scale comes in."""
+    for bad in (1e-46, 1e-40, 2.0**-127):
+        with pytest.raises(ValueError, match="init_scale must be a finite number in \\[2\\*\\*-126"):
+            mpfused.GradScaler("cpu", init_scale=bad)
+    smallest = mpfused.GradScaler("cpu", init_scale=2.0**-126)
+    assert smallest.scale(torch.ones(())).item() == 2.0**-126
+    assert math.isfinite(smallest._inv_scale.item())
+    scaler = mpfused.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    for bad in (1e-46, torch.tensor(1e-40)):
+        with pytest.raises(ValueError, match="new_scale must be a finite number"):
+            scaler.update(bad)
+    with pytest.raises(ValueError, match="state_dict\\['scale'\\] must be a finite number"):
+        scaler.load_state_dict(dict(scaler.state_dict(), scale=1e-40))
+    assert scaler.get_scale() == 4.0
+    with pytest.raises(ValueError, match="growth_factor must be a number > 1, got a tensor on the meta device"):
+        mpfused.GradScaler("cpu", growth_factor=torch.tensor(2.0, device="meta"))
+
+
 def test_torch_scaler_drives_a_fused_optimizer_without_grads(device):
     """torch.amp.GradScaler hands a fused optimizer found_inf = sum([]) = 0 (an int) when no param has a
     grad (a frozen branch, a second optimizer unused this iteration): a step that does nothing, as torch's
@@ -538,7 +561,9 @@ def test_load_state_dict_validates_everything_first(device):
                      ("growth_factor", 1.0), ("backoff_factor", 1.0), ("growth_interval", 0),
                      ("_growth_tracker", -1), ("hysteresis", 0), ("_hysteresis_left", 0), ("_hysteresis_left", 3),
                      ("min_scale", -1.0), ("dynamic", "yes"), ("_skipped_steps", -2), ("backoff_factor", 0.0),
-                     ("growth_interval", 2.5), ("scale", "8"), ("_growth_tracker", torch.ones(2))]:
+                     ("growth_interval", 2.5), ("scale", "8"), ("_growth_tracker", torch.ones(2)),
+                     # clamps that leave out the loaded scale, as the constructor refuses them
+                     ("min_scale", 1e6), ("max_scale", 1.0)]:
         sd = dict(good, **{key: bad})
         with pytest.raises((ValueError, AssertionError)):
             scaler.load_state_dict(sd)
