@@ -425,6 +425,33 @@ def test_outputs_that_share_memory_with_another_argument_are_refused_before_writ
         assert torch.equal(g, torch.full((8,), 4.0, device=device)) and not buf.any()
 
 
+def test_an_unscale_in_place_refuses_tensors_over_inv_scale_or_over_each_other(device):
+    """The unscale writes the tensors while it reads inv_scale and them. A tensor over inv_scale's memory
+    changed the factor for the tensors after it (on the CPU: [inv, t] unscaled t by 0.5 * 0.5; on CUDA it
+    depends on the blocks' order), and two tensors over one memory were unscaled twice (on CUDA once or twice
+    as the blocks raced). Both raise before anything is written; a check without the unscale reads them as
+    they are."""
+    buf = torch.full((16,), 2.0, device=device)
+    inv = torch.full((1,), 0.5, device=device)
+    found = flag(device)
+    cases = [([inv, buf], inv, r"tensors\[0\] must not overlap inv_scale"),
+             ([buf[:8], buf[8:]], buf[15:], r"tensors\[1\] must not overlap inv_scale"),
+             ([buf, buf], inv, r"tensors\[1\] and tensors\[0\] share memory"),
+             ([buf[:9], torch.ones(3, device=device), buf[8:]], inv, r"tensors\[2\] and tensors\[0\] share memory"),
+             ([buf[4:], buf[:5]], inv, r"tensors\[1\] and tensors\[0\] share memory")]
+    for tensors, inv_scale, message in cases:
+        before = [t.clone() for t in tensors]
+        with pytest.raises(ValueError, match=message):
+            mpfused.non_finite_check_(tensors, found, inv_scale, unscale=True)
+        assert all(torch.equal(t, b) for t, b in zip(tensors, before)) and found.item() == 0.0
+        assert torch.equal(inv, torch.full((1,), 0.5, device=device))
+    # adjacent views do not overlap; and a check alone writes no tensor, so it takes repeats
+    mpfused.non_finite_check_([buf[:8], buf[8:]], found, inv, unscale=True)
+    assert torch.equal(buf, torch.ones(16, device=device))
+    mpfused.non_finite_check_([buf, buf, inv], found)
+    assert found.item() == 0.0
+
+
 def test_tensor_subclasses_raise_type_error_before_anything_is_written(device):
     """A wrapper subclass (DTensor's kind) has no memory the kernel can address: a TypeError, no crash."""
     from torch.testing._internal.two_tensor import TwoTensor

@@ -5,6 +5,9 @@
 // them back. Every argument is checked before the backend runs, so a call that raises has modified nothing.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "common.h"
 
 namespace mpf_torch {
@@ -46,14 +49,47 @@ void check_impl(at::TensorList tensors, const at::Tensor& found_inf, const std::
   }
   // The outputs are written while the tensors and inv_scale are read (and found_inf, sumsq and norm are
   // read back): none may share memory with another, or the flag would hold a sum (every step then looks
-  // like an overflow) and a grad a partial sum. (Two tensors that overlap are each checked and unscaled, as
-  // torch's op does them.) A test of addresses per tensor and output: no allocation on the hot path.
+  // like an overflow) and a grad a partial sum. A test of addresses per tensor and output: no allocation on
+  // the hot path of the check.
   const auto overlaps = [](const at::Tensor& a, const at::Tensor& b) {
     const auto* ab = static_cast<const char*>(a.data_ptr());
     const auto* bb = static_cast<const char*>(b.data_ptr());
     return a.numel() > 0 && b.numel() > 0 && ab < bb + b.numel() * b.element_size() &&
            bb < ab + a.numel() * a.element_size();
   };
+  if (unscale) {
+    // The unscale writes the tensors while it reads inv_scale and them: a tensor over inv_scale's memory
+    // would change the factor mid-call (on CUDA, as the blocks happen to run), and two tensors over the same
+    // memory would have it unscaled twice, or, on CUDA, once or twice as the blocks race. Both are refused.
+    // (torch's op unscales an overlap twice on the CPU and races on CUDA.) The spans in order of address: a
+    // sort of the tensors' spans, only where they are written.
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (overlaps(tensors[i], *inv_scale))
+        fail("tensors[" + std::to_string(i) + "] must not overlap inv_scale (the tensors are unscaled in place "
+             "while inv_scale is read)");
+    struct Span {
+      uintptr_t lo, hi;
+      size_t index;
+    };
+    std::vector<Span> spans;
+    spans.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i];
+      if (t.numel() == 0) continue;
+      const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+      spans.push_back({lo, lo + static_cast<uintptr_t>(t.numel() * t.element_size()), i});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+    const Span* reach = nullptr;  // the span that ends furthest among those before
+    for (const Span& s : spans) {
+      if (reach && s.lo < reach->hi) {
+        const size_t a = std::min(reach->index, s.index), b = std::max(reach->index, s.index);
+        fail("tensors[" + std::to_string(b) + "] and tensors[" + std::to_string(a) + "] share memory; an unscale in "
+             "place would unscale it twice (give each tensor once, or views that do not overlap)");
+      }
+      if (!reach || s.hi > reach->hi) reach = &s;
+    }
+  }
   const at::Tensor* outs[4] = {&found_inf, sumsq ? &*sumsq : nullptr, norm ? &*norm : nullptr,
                                counter ? &*counter : nullptr};
   const char* out_names[4] = {"found_inf", "sumsq", "norm", "counter"};
