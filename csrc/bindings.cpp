@@ -162,7 +162,7 @@ bool plain_tensor(PyObject* o) {
 // (grad_pairs), and every state entry given goes with its param as optim_step_ checks it: `beside` holds
 // lists (one entry per param, or None) of float32 tensors in the param's layout (moments, masters),
 // `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
-// dtypes, devices, shapes and strides as bytes, which the plan compares with those of the step it was
+// dtypes, devices, memory addresses, shapes and strides as bytes, which the plan compares with those of the step it was
 // made in (their version counters: step_versions). One pass in C++ (tens of ns a tensor), before any kernel
 // call writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
@@ -202,6 +202,9 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
     out.push_back(static_cast<int64_t>(p.scalar_type()));
     out.push_back(static_cast<int64_t>(p.device().type()));
     out.push_back(p.device().index());
+    // and its memory: a param given other memory (`p.data = other.data`) may now overlap another param,
+    // which the full path checks (FusedOptimizer._check_memory_disjoint)
+    out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.data_ptr())));
     out.push_back(p.dim());
     for (int64_t d = 0; d < p.dim(); ++d) {
       out.push_back(p.size(d));

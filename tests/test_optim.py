@@ -698,8 +698,9 @@ def test_mpfused_scaler_hands_a_step_scaling_to_step_and_sets_nothing_on_the_opt
     assert isinstance(scaling, StepScaling) and added == set()
     assert scaling.inv_scale is not None and scaling.found_inf is not None and scaling.clip[1] == 0.5
     # (the optimizer's own caches aside: its kernels' counters and its step plan)
-    assert not any(k.startswith("_mpf_") and k not in ("_mpf_counters", "_mpf_plan", "_mpf_versions", "_mpf_spans")
-               for k in vars(opt))  # (the optimizer's own: its counters, step plan, params' versions and spans)
+    assert not any(k.startswith("_mpf_") and k not in ("_mpf_counters", "_mpf_plan", "_mpf_versions", "_mpf_spans",
+                                                       "_mpf_memory")
+               for k in vars(opt))  # (the optimizer's own: its counters, step plan, params' versions, spans, addresses)
     sumsq = torch.stack([p.grad.float().pow(2).sum() for p in ref.parameters()]).sum() / 2.0**16
     opt_ref.step(scaling=StepScaling(inv_scale=torch.tensor([2.0**-8], device=device),
                                      found_inf=torch.zeros(1, device=device), clip=(sumsq.reshape(1), 0.5)))

@@ -331,8 +331,10 @@ def test_a_param_without_grad_that_changes_size_moves_the_stochastic_offsets_aft
 
 
 def test_a_full_step_that_raises_and_is_undone_gives_the_full_paths_results():
-    """The full path mends state in place before it may raise (here group 0 loses its masters, then group
-    1's bad state raises): the plan of an earlier step no longer holds, even once the user undoes both."""
+    """A full step that raises (here group 1's bad state, while group 0 was told to drop its masters) drops
+    the plan of an earlier step, and once the user undoes both the results are the full path's. Every group's
+    state is checked before any is mended, so group 0 keeps its masters through the failed step (before, the
+    full path had mended group 0 in place, dropping them, when group 1's state raised)."""
     ref = None
     for planned in (True, False):
         ps = make_params(torch.float16)
@@ -348,7 +350,7 @@ def test_a_full_step_that_raises_and_is_undone_gives_the_full_paths_results():
         with pytest.raises(ValueError, match="exp_avg"):
             op_step(opt, 2)
         assert opt.__dict__.get("_mpf_plan") is None  # the full path dropped it before mending anything
-        assert "master_param" not in opt.state[opt.param_groups[0]["params"][0]]
+        assert "master_param" in opt.state[opt.param_groups[0]["params"][0]]
         opt.param_groups[0]["master_weights"] = None
         opt.state[p]["exp_avg"] = good
         op_step(opt, 3)

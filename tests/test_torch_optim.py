@@ -563,6 +563,47 @@ def test_params_over_the_same_memory_are_rejected(name):
 
 @pytest.mark.parametrize("name", PAIRS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_params_tied_after_they_were_added_are_rejected_before_anything_is_written(name, dtype, steps_before):
+    """``b.data = a.data`` after the optimizer was made (a weight tied late): the overlap check ran only when
+    the group was added, so a step updated both from the same old values (FP16 masters: a's update was
+    lost, the last write winning; on a GPU the two would race). The step now checks again wherever a param's
+    memory moved (the planned path sees the address change too), before anything is written; memory that
+    moves and stays disjoint (a new tensor for one param) steps as before."""
+    a = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    b = torch.nn.Parameter(torch.full((4,), 2.0, dtype=dtype))
+    c = torch.nn.Parameter(torch.full((3,), 3.0, dtype=dtype))
+    opt = PAIRS[name][0]([dict(params=[a, c]), dict(params=[b])], lr=0.25)
+
+    def grads():
+        for p in (a, b, c):
+            p.grad = torch.ones_like(p)
+
+    for _ in range(steps_before):
+        grads()
+        opt.step()
+    b.data = a.data
+    grads()
+    before = [p.detach().clone() for p in (a, b, c)]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match="param 0 of param group 1 and param 0 of param group 0 are different tensors "
+                                         "over the same memory"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((a, b, c), before))
+    assert str(opt.state_dict()["state"]) == str(states)
+    # untied into memory of its own: the steps go on, the moved param from its new values
+    b.data = torch.full((4,), 5.0, dtype=dtype)
+    grads()
+    opt.step()
+    ref = PAIRS[name][1]([torch.nn.Parameter(torch.full((4,), 5.0, dtype=torch.float32))], lr=0.25)
+    ref.param_groups[0]["params"][0].grad = torch.ones(4)
+    if steps_before == 0 or name == "sgd":  # (a fresh torch optimizer: b's state starts there too)
+        ref.step()
+        torch.testing.assert_close(b.float(), ref.param_groups[0]["params"][0].detach(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_backward_through_params_the_step_changed_raises_as_torchs(name, dtype):
     # torch's default (foreach) and for-loop steps count their writes in the params' version counters, so
     # a graph that saved a param refuses to run backward on the new values; ours computed a wrong gradient
@@ -984,6 +1025,41 @@ def test_a_state_entry_that_is_not_a_tensor_is_named_before_anything_is_written(
     states = {k: v.clone() for k, v in opt.state[p[0]].items() if isinstance(v, torch.Tensor)}
     fill_grads(p, 1)
     with pytest.raises(TypeError, match=rf"state\['{key}'\] of param 1 .* must be a tensor, got {type(value).__name__}"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(p, before))
+    assert all(torch.equal(opt.state[p[0]][k], v) for k, v in states.items())
+
+
+@pytest.mark.parametrize("key,make,error,message", [
+    ("step", lambda p: 3, TypeError, r"must be a tensor, got int"),
+    ("exp_avg", lambda p: torch.zeros(3), ValueError, r"must be a float32 tensor of its param's shape \(3, 4, 2\)"),
+    ("exp_avg_sq", lambda p: torch.zeros_like(p).half(), ValueError, r"got a torch.float16 tensor"),
+    ("exp_avg", lambda p: torch.zeros_like(p, device="meta"), ValueError, r"on meta"),
+    ("step", lambda p: torch.zeros(2), ValueError, r"must be a float32 tensor of one element"),
+    ("master_param", lambda p: torch.zeros(5), ValueError, r"must be a float32 tensor of its param's shape"),
+])
+def test_a_bad_state_entry_in_a_later_group_is_named_before_any_group_is_written(key, make, error, message):
+    """Each group's state was checked in turn, inside the loop that stepped the groups: a bad entry of group 1
+    raised after group 0's params, moments and step counts were written, and the operator's message named a
+    position in its call's lists (exp_avg_sq[1]) rather than the param. Now every entry of every group is
+    checked first, and the message names the entry, the param and its group."""
+    p = make_params()
+    if key == "master_param":  # a master is kept for 16-bit params
+        p = [t.detach().half().requires_grad_() for t in p]
+    opt = FusedAdam(two_groups(p, {}), lr=0.1)
+
+    def grads(seed):
+        g = torch.Generator().manual_seed(seed)
+        for t in p:
+            t.grad = torch.randn(t.shape, generator=g).to(t.dtype)
+
+    grads(0)
+    opt.step()
+    opt.state[p[2]][key] = make(p[2])
+    before = [t.detach().clone() for t in p]
+    states = {k: v.clone() for k, v in opt.state[p[0]].items()}
+    grads(1)
+    with pytest.raises(error, match=rf"state\['{key}'\] of param 0 of param group 1 .*{message}"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(p, before))
     assert all(torch.equal(opt.state[p[0]][k], v) for k, v in states.items())

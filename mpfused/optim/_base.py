@@ -168,6 +168,9 @@ def draw_seed() -> int:
     return lo | hi << 32
 
 
+_META = torch.device("meta")
+
+
 def copy_to(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """t on ``device`` (and in ``dtype``): asynchronous towards an accelerator (no host sync), a finished
     copy towards the CPU (a non-blocking device-to-host copy may not have landed when the CPU kernels or
@@ -278,6 +281,15 @@ def _memory_spans(params, gi: int) -> list:
         size = p.element_size()
         out.append(((p.device, p.untyped_storage().data_ptr()), (lo * size, (hi + 1) * size, gi, i)))
     return out
+
+
+def _address(p) -> Optional[tuple]:
+    """Where a param's memory starts and how many elements it holds (FusedOptimizer._check_memory_disjoint),
+    None where it has none a step could write (a subclass such as DTensor, a sparse or meta tensor: see
+    _memory_spans)."""
+    if (type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.layout == torch.strided and not p.is_meta:
+        return p.data_ptr(), p.numel()
+    return None
 
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
@@ -738,6 +750,7 @@ class FusedOptimizer(Optimizer):
         # the next step compares every param with its (loaded) master again (_follow_writes)
         self.__dict__.pop("_mpf_versions", None)
         self.__dict__.pop("_mpf_spans", None)  # (a copy's params live elsewhere)
+        self.__dict__.pop("_mpf_memory", None)
         super().__setstate__(state)
 
     @staticmethod
@@ -869,9 +882,10 @@ class FusedOptimizer(Optimizer):
                         a, b = b, a
                     raise ValueError(
                         f"param {b[3]} of param group {b[2]} and param {a[3]} of param group {a[2]} are different "
-                        "tensors over the same memory (e.g. a weight tied with nn.Parameter(other), or overlapping "
-                        "views); a fused step would update both from the same old values: tie the modules by "
-                        "sharing one Parameter object, which the optimizer then updates once")
+                        "tensors over the same memory (e.g. a weight tied with nn.Parameter(other) or with "
+                        "b.data = a.data, or overlapping views); a fused step would update both from the same old "
+                        "values: tie the modules by sharing one Parameter object, which the optimizer then updates "
+                        "once")
                 if reach_any is None or b[1] > reach_any[1]:
                     reach_any = b
                 if b[2] == index and (reach_new is None or b[1] > reach_new[1]):
@@ -879,6 +893,23 @@ class FusedOptimizer(Optimizer):
         for key, spans in new.items():
             table.setdefault(key, []).extend(spans)
         self.__dict__["_mpf_spans"] = (made_from + ((id(groups[index]), tuple(map(id, groups[index]["params"]))),), table)
+
+    def _check_memory_disjoint(self) -> None:
+        """add_param_group's overlap check (_check_no_overlap) again, over every group, where a param's memory
+        moved since it last ran: a param given other memory after it was added (``b.data = a.data``, a weight
+        tied late) may now overlap another param, which a fused step would update from the same old values
+        (with FP16 masters the last write won, silently; on a GPU the two updates would race). The full path
+        runs it first, before anything is written; the planned path compares the params' addresses (its
+        layout holds them) and takes the full path where one moved. The addresses, one call a param, are
+        compared with those of the last check; where they differ (a first step, ``model.half()``,
+        ``model.to()``), the spans are measured again."""
+        memory = tuple(map(_address, chain.from_iterable(g["params"] for g in self.param_groups)))
+        if memory == self.__dict__.get("_mpf_memory"):
+            return
+        self.__dict__.pop("_mpf_spans", None)
+        for index in range(len(self.param_groups)):
+            self._check_no_overlap(index)
+        self.__dict__["_mpf_memory"] = memory
 
     def _span_still(self, span: tuple, key: tuple) -> bool:
         groups = self.param_groups
@@ -940,18 +971,50 @@ class FusedOptimizer(Optimizer):
             versions = self.__dict__["_mpf_versions"] = WeakIdKeyDictionary()
         return versions
 
+    def _used_states(self, group: dict) -> int:
+        """Which of the policy's states (bit k: ``_POLICY_STATES[policy][k]``) a step of ``group`` reads and
+        writes, as the operator decides it (from values that are never tensors: a tensor hyperparameter is
+        taken here as a meta tensor, read nowhere, so that nothing is copied or synced)."""
+        hyper = _ops.hyper_args(self._policy, self._hyper(group, _META))[0]
+        return _ops._C.optim_state_mask(self._policy, hyper)
+
+    def _check_state_entries(self, state: dict, group: dict, p: torch.Tensor, i: int, gi: int, used: int) -> None:
+        """The entries of param ``i`` of param group ``gi``'s state that the kernel takes, as code outside the
+        optimizer may have set them (``state['step'] = 3``, a moment of another dtype, shape or device): a
+        TypeError or ValueError naming the entry, the param and its group. step() runs it for every param of
+        every group before anything is created or written; the operator's own checks, which run per group
+        and name a position in its call's lists, then find nothing. Every entry must be a tensor; the dtype,
+        shape and device are checked where the step uses the entry, as the operator checks them (a state the
+        step leaves alone, such as SGD's momentum buffer without momentum, ``used``, is not; the master and
+        the remainder where the group keeps them). A layout other than the param's is not an error: the
+        step moves such an entry to the param's layout."""
+        names = _POLICY_STATES[self._policy]
+        for key in (*self._state_float_keys, "master_remainder", "step"):
+            value = state.get(key)
+            if value is None:
+                continue
+            where = f"state['{key}'] of param {i} of param group {gi}"
+            if not isinstance(value, torch.Tensor):  # set by code outside the optimizer
+                raise TypeError(f"{where} must be a tensor, got {type(value).__name__} {value!r}: the optimizer keeps "
+                                "it as one, and load_state_dict converts numbers")
+            if key in names and not used >> names.index(key) & 1:
+                continue  # a state this step leaves alone
+            if key == "master_param" and not self._wants_master(group, p):
+                continue  # dropped by the step (or rebuilt from the remainder)
+            want = torch.int16 if key == "master_remainder" else torch.float32
+            if value.dtype != want or value.device != p.device or \
+                    (value.numel() != 1 if key == "step" else value.shape != p.shape):
+                what = ("a float32 tensor of one element (the step count)" if key == "step" else
+                        f"a {str(want).replace('torch.', '')} tensor of its param's shape {tuple(p.shape)}")
+                raise ValueError(f"{where} must be {what} on its param's device {p.device}, got a {value.dtype} tensor "
+                                 f"of shape {tuple(value.shape)} on {value.device}; load_state_dict converts a saved "
+                                 "state")
+
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
+        # (its entries were checked by step(): _check_state_entries)
         state = self.state.get(p)
         if state is None:
             state = {}
-        for key in (*self._state_float_keys, "master_remainder", "step"):
-            value = state.get(key)
-            if value is not None and not isinstance(value, torch.Tensor):  # set by code outside the optimizer
-                gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-                pi = next(i for i, q in enumerate(group["params"]) if q is p)
-                raise TypeError(f"state['{key}'] of param {pi} of param group {gi} must be a tensor, got "
-                                f"{type(value).__name__} {value!r}: the optimizer keeps it as one, and load_state_dict "
-                                "converts numbers")
         if not state:
             self._init_state(group, p, state)
         remainder = state.get("master_remainder")
@@ -1105,6 +1168,7 @@ class FusedOptimizer(Optimizer):
         if not compiling:
             self._credit_planned_writes(self.__dict__.get("_mpf_plan"))
             self.__dict__["_mpf_plan"] = None
+            self._check_memory_disjoint()
         # Everything is checked before anything (state included) is created or written.
         work = []
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
@@ -1118,6 +1182,7 @@ class FusedOptimizer(Optimizer):
             dtensors = len(group["params"]) > 0 and not self._param_kind_ok(group["params"][0]) and \
                 self._check_kinds(group, f" (param group {gi})")
             params = []
+            used = None  # the policy's states this group's step uses (bit k: _POLICY_STATES' k-th), made when needed
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
                     if dtensors:
@@ -1129,6 +1194,11 @@ class FusedOptimizer(Optimizer):
                         self._check_param(f"param {i} of param group {gi}", p)
                     if remainder:
                         check_remainder_dtype(group, f" of param group {gi}", i, p)
+                    state = self.state.get(p)
+                    if state and not compiling:  # (compiled: the operator's checks, in the graph)
+                        if used is None:
+                            used = self._used_states(group)
+                        self._check_state_entries(state, group, p, i, gi, used)
                     params.append(p)
                 if stochastic:
                     # a DTensor's shard starts at its first element's index in the global param
