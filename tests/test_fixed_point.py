@@ -289,6 +289,22 @@ def test_matmul_overflow_bound_is_exact():
         fxp.matmul(a, b, (1, 31), (1, 31), (4, 4))  # 32 + 32 + 1 = 65
 
 
+def test_the_operator_bounds_the_sum_by_the_codes_themselves_on_the_cpu():
+    """torch.ops.mpfused.fixed_point_matmul takes codes beyond their formats (FixedPointLinear's bias column
+    holds 1.0 where il = 1), so the WL rule alone did not keep its int64 sum from overflowing: int32 codes
+    near 2^31 over K = 4 wrapped, silently (every output -2^31 where the sum is about +2^64, which saturates
+    to +2^31 - 1). On the CPU it now bounds the sum by max|a| * max|b| * K <= 2^62 and raises past it;
+    codes in range never pass it (-2^31 squared, K = 1, is exactly 2^62)."""
+    op = torch.ops.mpfused.fixed_point_matmul
+    big = torch.full((2, 4), 2**31 - 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="codes up to \\|a\\| = 2147483647 and \\|b\\| = 2147483647 over K = 4"):
+        op(big, big.t().contiguous(), 1, 0, 1, 0, 32, 0, False, 0, 0, torch.int32)
+    low = torch.full((3, 1), -2**31, dtype=torch.int32)
+    out = op(low, low.t().contiguous(), 1, 31, 1, 31, 32, 0, False, 0, 0, torch.int32)
+    assert out.tolist() == [[1] * 3] * 3  # 2^62 with 62 fractional bits
+    assert fxp.matmul(low, low.t(), (1, 31), (1, 31), (32, 0)).tolist() == out.tolist()
+
+
 # ---- bad input: a clear error naming the argument, nothing modified ----------------------------------
 @pytest.mark.parametrize("call, exc, name", [
     (lambda x: fxp.quantize(x, 0, 4), ValueError, "il"),

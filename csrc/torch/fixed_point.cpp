@@ -4,6 +4,8 @@
 // then the CPU or CUDA backend runs.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #include "common.h"
 
 namespace mpf_torch {
@@ -142,6 +144,26 @@ at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t 
   check_offset(offset, m * n);
 
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  if (device.is_cpu() && m > 0 && n > 0 && k > 0) {
+    // The bound above holds for codes in their formats' ranges, which mpfused.fixed_point.matmul checks
+    // (one flag read on CUDA). The operator itself takes codes beyond them (FixedPointLinear's bias column
+    // holds 1.0, which a format with il = 1 cannot), so it bounds the sum by the codes themselves: where
+    // max|a| * max|b| * K could pass 2^62 the int64 sum could overflow, and it raises. On the CPU that costs
+    // one pass over the operands, reading no device; on CUDA it would cost a host sync, and the codes are
+    // taken as they are (the Python function's check covers them in eager mode).
+    const auto largest = [](const at::Tensor& t) {
+      const auto mm = at::aminmax(t);
+      const int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
+      return std::max(hi, -lo);  // (int16/int32 codes: no overflow in int64)
+    };
+    const int64_t ma = largest(ac), mb = largest(bc);
+    const unsigned __int128 bound = static_cast<unsigned __int128>(ma) * static_cast<unsigned __int128>(mb) *
+                                    static_cast<unsigned __int128>(k);
+    if (bound > (static_cast<unsigned __int128>(1) << 62))
+      fail("the MACC's int64 sum could overflow: codes up to |a| = " + std::to_string(ma) + " and |b| = " +
+           std::to_string(mb) + " over K = " + std::to_string(k) + " pass 2^62 (max|a| * max|b| * K); codes in "
+           "fmt_a's and fmt_b's ranges never do (mpfused.fixed_point.matmul checks them)");
+  }
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   const mpf::FixedShift shift{fa.fl + fb.fl - fo.fl, mpf::fixed_code_min(fo), mpf::fixed_code_max(fo)};
   const mpf::FixedMatmulArgs g{ac.data_ptr(), a_type, bc.data_ptr(), b_type, out.data_ptr(), out_type, m, n, k,
