@@ -756,3 +756,27 @@ def test_a_subclass_of_the_exported_base_is_an_optimizer_over_a_kernel_policy(de
     ref_losses = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), data)
     assert losses == pytest.approx(ref_losses, rel=OPTIM_LOSS_RTOL)
     assert_params_close(model, ref)
+
+
+def test_meta_tensors_that_hold_no_value_are_named_before_anything_is_written():
+    """A StepScaling tensor on the meta device, or FusedLAMB's global norm over CPU and meta params: torch's
+    'Cannot copy out of meta tensor' (a NotImplementedError) came out of the copy, naming nothing. Now a
+    ValueError names the argument, before any param is written."""
+    from mpfused.optim import FusedLAMB, StepScaling
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = FusedAdamW([p], lr=0.1)
+    meta = torch.ones(1, device="meta")
+    for kw, name in [(dict(inv_scale=meta, found_inf=torch.zeros(1)), "inv_scale"),
+                     (dict(grad_scale=meta), "grad_scale"),
+                     (dict(found_inf=meta), "found_inf"),
+                     (dict(inv_scale=torch.ones(1), clip=(meta, 1.0)), "clip\\[0\\]")]:
+        with pytest.raises(ValueError, match=f"StepScaling.{name} .*is on the meta device"):
+            opt.step(scaling=StepScaling(**kw))
+        assert torch.equal(p, torch.ones(3)) and not opt.state.get(p)
+    q = torch.nn.Parameter(torch.ones(3, device="meta"))
+    q.grad = torch.ones(3, device="meta")
+    with pytest.raises(ValueError, match="FusedLAMB's max_grad_norm .*devices: \\['cpu', 'meta'\\]"):
+        FusedLAMB([p, q]).step()
+    assert torch.equal(p, torch.ones(3))

@@ -516,3 +516,29 @@ def test_eager_calls_fall_back_for_what_cpp_does_not_take(monkeypatch):
         _ops.loss_scale_update_(scale, tracker, left, skipped, scalar("cpu"), None, growth_factor=2.0,
                                 backoff_factor=0.5, growth_interval=2**63, hysteresis=1)
     assert scale.item() == 2.0**16 and tracker.item() == 0
+
+
+def test_loss_scale_update_refuses_aliased_tensors_and_a_zero_backoff_before_writing():
+    """The operator took tensors that share memory, which mpfused.GradScaler never passes but a direct call
+    may: inv_scale as scale made the scale 1 / scale, found_inf as scale read the new scale as the flag, the
+    growth tracker as hysteresis_left mixed two counts; and backoff_factor 0, which the scaler refuses (the
+    scale goes to 0 at the first overflow). Each is a ValueError naming the arguments, before any write."""
+    def fresh():
+        return (torch.full((), 2.0**16), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32),
+                torch.zeros((), dtype=torch.int64), torch.ones(()), torch.zeros(()))
+
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, hysteresis=1)
+    for alias, match in [(lambda t: (t[0], t[1], t[2], t[3], t[4], t[0]), "inv_scale must not overlap scale"),
+                         (lambda t: (t[0], t[1], t[2], t[3], t[0], t[5]), "scale must not overlap found_inf"),
+                         (lambda t: (t[0], t[1], t[1], t[3], t[4], t[5]), "hysteresis_left must not overlap growth_tracker")]:
+        t = fresh()
+        args = alias(t)
+        with pytest.raises(ValueError, match=match):
+            _ops.loss_scale_update_(*args, **kw)
+        assert t[0].item() == 2.0**16 and t[1].item() == 0 and t[2].item() == 1 and t[3].item() == 0
+    t = fresh()
+    with pytest.raises(ValueError, match="backoff_factor must be > 0"):
+        _ops.loss_scale_update_(*t, **dict(kw, backoff_factor=0.0))
+    assert t[0].item() == 2.0**16 and t[3].item() == 0
+    _ops.loss_scale_update_(*t, **kw)  # found_inf 1: backs off
+    assert t[0].item() == 2.0**15 and t[3].item() == 1 and t[5].item() == 2.0**-15

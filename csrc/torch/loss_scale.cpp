@@ -30,10 +30,24 @@ void loss_scale_update_(const at::Tensor& scale, const at::Tensor& growth_tracke
   // product is not finite); NaN is refused.
   if (!(growth_factor > 1.0)) fail("growth_factor must be > 1, got " + std::to_string(growth_factor));
   if (!(backoff_factor < 1.0)) fail("backoff_factor must be < 1, got " + std::to_string(backoff_factor));
+  // (and > 0, mpfused.GradScaler's rule: 0 takes the scale to 0 at the first overflow, every gradient after it
+  // to 0 * inf = NaN; a negative one makes the scale negative)
+  if (!(backoff_factor > 0.0)) fail("backoff_factor must be > 0, got " + std::to_string(backoff_factor));
   check_hyper(min_scale, "min_scale", 0.0, false, 3.4e38, false);
   if (!(max_scale >= min_scale)) fail("max_scale must be >= min_scale (inf for no clamp)");
   if (growth_interval < 1 || growth_interval > INT32_MAX) fail("growth_interval must be a positive int32");
   if (hysteresis < 1 || hysteresis > INT32_MAX) fail("hysteresis must be a positive int32");
+  // Each written tensor apart from the others and from found_inf, which the update reads after writing some
+  // of them (the same tensor as scale and inv_scale made the scale 1 / scale; found_inf as scale read the new
+  // scale as the flag).
+  const at::Tensor* written[5] = {&scale, &growth_tracker, &hysteresis_left, &skipped_steps, inv_scale ? &*inv_scale : nullptr};
+  const char* names[5] = {"scale", "growth_tracker", "hysteresis_left", "skipped_steps", "inv_scale"};
+  for (int i = 0; i < 5; ++i) {
+    if (!written[i]) continue;
+    check_disjoint(found_inf, "found_inf", *written[i], names[i]);
+    for (int j = 0; j < i; ++j)
+      if (written[j]) check_disjoint(*written[j], names[j], *written[i], names[i]);
+  }
   mpf::LossScaleArgs a{scale.data_ptr<float>(), inv_scale ? inv_scale->data_ptr<float>() : nullptr,
                        growth_tracker.data_ptr<int32_t>(), hysteresis_left.data_ptr<int32_t>(),
                        skipped_steps.data_ptr<int64_t>(), found_inf.data_ptr<float>(),

@@ -1220,6 +1220,8 @@ class FusedOptimizer(Optimizer):
         if clip is None:
             clip = self._own_clip(work, scaling)
         device_scalars = self._device_scalars(scaling, clip)
+        for device in {p.device for _, params, _ in work for p in params}:
+            device_scalars(device)  # each device's copies now: what cannot be copied raises before any write
 
         # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
@@ -1364,22 +1366,27 @@ class FusedOptimizer(Optimizer):
         once per device and step)."""
         per_device: dict[torch.device, dict] = {}
 
-        def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        def on(t: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
             # a one-element float32 tensor on the device, of any shape: as the operator takes it
-            return t if t.device == device and t.dtype == torch.float32 else copy_to(t, device, torch.float32).reshape(1)
+            if t.device == device and t.dtype == torch.float32:
+                return t
+            if t.is_meta:  # (a meta tensor holds no value to copy)
+                raise ValueError(f"StepScaling.{name} is on the meta device, which holds no value, and the params are "
+                                 f"on {device}: give it on the params' device or the CPU")
+            return copy_to(t, device, torch.float32).reshape(1)
 
         def device_scalars(device: torch.device) -> dict:
             if device not in per_device:
                 kw = {}
                 if scaling.inv_scale is not None:
-                    kw["inv_scale"] = on(scaling.inv_scale, device)
+                    kw["inv_scale"] = on(scaling.inv_scale, device, "inv_scale")
                 elif scaling.grad_scale is not None:  # the kernel computes 1/S on the device
-                    kw["grad_scale"] = on(scaling.grad_scale, device)
+                    kw["grad_scale"] = on(scaling.grad_scale, device, "grad_scale")
                 if clip is not None:
-                    kw["clip_sumsq"] = on(clip[0], device)
+                    kw["clip_sumsq"] = on(clip[0], device, "clip[0] (the sum of squares)")
                     kw["max_norm"] = float(clip[1])
                 if scaling.found_inf is not None:
-                    kw["found_inf"] = on(scaling.found_inf, device)
+                    kw["found_inf"] = on(scaling.found_inf, device, "found_inf")
                 per_device[device] = kw
             return per_device[device]
 

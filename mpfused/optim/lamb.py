@@ -91,6 +91,10 @@ class FusedLAMB(FusedOptimizer):
         for p in params:
             g = _dist.local(p.grad)  # a DTensor here is replicated (_check_kinds): its shard is the whole grad
             by_device[p.device].append(flat(g) if is_dense(g) else g.contiguous())
+        if len(by_device) > 1 and any(d.type == "meta" for d in by_device):
+            raise ValueError("FusedLAMB's max_grad_norm clips by the global norm of every param's gradient, and "
+                             "params on the meta device hold no values to add to the others' (devices: "
+                             f"{sorted(map(str, by_device))}); step the meta params apart, or set max_grad_norm=0")
         total = None
         for device, grads in by_device.items():
             inv = None
