@@ -792,11 +792,24 @@ def activation_backward(grad: torch.Tensor, act_input: torch.Tensor, activation:
     for the sum fused after it, rounds differently from eager's kernels (torch 2.11 on CPU: the bias
     gradient of a FusedLinear with a GELU differed in every one of 200 random cases), and a compiled
     training step would then not be eager's bit for bit."""
-    _check_activation_backward(grad, act_input, activation, grad_pre)
+    _check_activation_backward(grad, act_input, activation, grad_pre, bias_dtype)
     return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
 
 
-def _check_activation_backward(grad, act_input, activation, grad_pre) -> None:
+_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_grad_dtypes(tensors, bias_dtype) -> None:
+    """The GEMM backward operators' dtypes: floating-point gradients and inputs (a GEMM's: FP16, BF16, FP32,
+    or FP64 in a double-backward), and a floating-point bias dtype (an integer one truncated the sum)."""
+    for name, t in tensors:
+        if t is not None and t.dtype not in _GRAD_DTYPES:
+            raise ValueError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
+    if bias_dtype is not None and bias_dtype not in _GRAD_DTYPES:
+        raise ValueError(f"bias_dtype must be torch.float16, bfloat16, float32 or float64, got {bias_dtype}")
+
+
+def _check_activation_backward(grad, act_input, activation, grad_pre, bias_dtype) -> None:
     """The operator's arguments (the eager backward, which calls _activation_backward_eager, makes them
     itself)."""
     if activation not in ("relu", *_GELU_APPROXIMATE):
@@ -804,6 +817,7 @@ def _check_activation_backward(grad, act_input, activation, grad_pre) -> None:
     for name, t in (("act_input", act_input), ("grad_pre", grad_pre)):
         if t is not None and t.shape != grad.shape:
             raise ValueError(f"{name} must have grad's shape {tuple(grad.shape)}, got {tuple(t.shape)}")
+    _check_grad_dtypes((("grad", grad), ("act_input", act_input), ("grad_pre", grad_pre)), bias_dtype)
 
 
 def _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype):
@@ -823,7 +837,7 @@ def _bias_grad_eager(grad, bias_dtype):
 
 @activation_backward.register_fake
 def _activation_backward_fake(grad, act_input, activation, grad_pre, bias_dtype):
-    _check_activation_backward(grad, act_input, activation, grad_pre)
+    _check_activation_backward(grad, act_input, activation, grad_pre, bias_dtype)
     # the operator's own code on fake tensors: torch's kernels' meta functions give its strides and dtypes
     return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
 
@@ -879,13 +893,19 @@ def bias_grad(grad: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
     rounded once to ``bias_dtype``. An operator for the reason given at activation_backward: compiled by
     inductor, the sum and its rounding differ from eager's (torch 2.11 under autocast: the rounding to FP16
     was left out)."""
+    _check_bias_grad(grad, bias_dtype)
     return _bias_grad_eager(grad, bias_dtype)
+
+
+def _check_bias_grad(grad, bias_dtype) -> None:
+    if grad.dim() < 1:
+        raise ValueError("grad must have at least one dimension")
+    _check_grad_dtypes((("grad", grad),), bias_dtype)
 
 
 @bias_grad.register_fake
 def _bias_grad_fake(grad, bias_dtype):
-    if grad.dim() < 1:
-        raise ValueError("grad must have at least one dimension")
+    _check_bias_grad(grad, bias_dtype)
     return _bias_grad_eager(grad, bias_dtype)
 
 

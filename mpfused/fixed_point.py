@@ -384,13 +384,19 @@ class FixedPointSGD(torch.optim.Optimizer):
                          seed=_ops.check_u64(group["seed"], "seed" + where))
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's add_param_group (which the constructor calls too), then: float32 params only, the group
-        removed again when one is not."""
+        """torch's add_param_group (which the constructor calls too), then: float32 params only, and the
+        group's values checked (fmt, lr, rounding, momentum, seed, made plain), the group removed again when
+        either fails."""
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            if p.dtype != torch.float32:
-                self.param_groups.pop()
-                raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
+        group, where = self.param_groups[-1], f" (param group {len(self.param_groups) - 1})"
+        try:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"params must be float32 tensors (holding fixed-point values), got {p.dtype}")
+            group.update(self._check_group(group, where)[1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
 
     def __setstate__(self, state: dict) -> None:
         """torch's (load_state_dict ends here, after its pre-hooks, having changed nothing before), after
@@ -417,13 +423,23 @@ class FixedPointSGD(torch.optim.Optimizer):
                     st["step"] = int(value)
 
     def _check_states(self) -> None:
-        """The state of every param that steps, before anything is written: ``step`` an int >= 0 and the
-        momentum buffer (where momentum is used and one exists) a float32 tensor like its param."""
+        """Every param that steps and its state, before anything is written: the param writable in place
+        (an ``expand()``ed one, whose elements share memory, is not: its write failed after the params
+        before it were written) and its grad on its device; ``step`` an int >= 0 and the momentum buffer
+        (where momentum is used and one exists) a float32 tensor like its param."""
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.grad is None or p not in self.state:
+                if p.grad is None:
                     continue
-                st, where = self.state[p], f"param {i} of param group {gi}"
+                where = f"param {i} of param group {gi}"
+                if torch._debug_has_internal_overlap(p) == 1:  # (1: MemOverlap::Yes)
+                    raise ValueError(f"{where} has elements that share memory (an expand()ed tensor), which a step "
+                                     "cannot write in place")
+                if p.grad.device != p.device:
+                    raise ValueError(f"the grad of {where} is on {p.grad.device}, its param on {p.device}")
+                if p not in self.state:
+                    continue
+                st = self.state[p]
                 step = st.get("step", 0)
                 if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**64:
                     raise TypeError(f"state['step'] of {where} must be an int in [0, 2**64) (the steps it took), got "

@@ -748,6 +748,32 @@ def test_training_arguments_are_checked():
         fxp.FixedPointSGD([p], lr=0.1, fmt=(2, 30))
 
 
+def test_fixed_point_sgd_checks_added_groups_and_unwritable_params_before_writing():
+    """A group added with its own values was checked only at step() (fmt=(0, 3) was taken), and an expand()ed
+    param in a later group failed in its write, after the params before it had been written. add_param_group
+    now checks the group's values (and drops the group when they fail), and step() refuses a param whose
+    elements share memory before anything is written."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = fxp.FixedPointSGD([p], lr=0.5, fmt=(4, 8), rounding="nearest")
+    for bad, match in [(dict(fmt=(0, 3)), "il"), (dict(lr=float("nan")), "lr must be a finite number"),
+                       (dict(momentum=-0.5), "momentum"), (dict(rounding="up"), "rounding"), (dict(seed=-1), "seed")]:
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))], **bad))
+        assert len(opt.param_groups) == 1
+    opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))], fmt=[2, 6], lr=1))
+    assert opt.param_groups[1]["fmt"] == (2, 6) and opt.param_groups[1]["lr"] == 1.0
+    wide = torch.nn.Parameter(torch.zeros(1).expand(4))
+    opt.add_param_group(dict(params=[wide]))
+    p.grad, wide.grad = torch.ones(3), torch.ones(4)
+    opt.param_groups[1]["params"][0].grad = torch.ones(2)
+    with pytest.raises(ValueError, match="param 0 of param group 2 has elements that share memory"):
+        opt.step()
+    assert not p.any() and not opt.state
+    wide.grad = None
+    opt.step()
+    assert p.tolist() == [-0.5] * 3
+
+
 @pytest.mark.parametrize("fmt", [(1, 0), (4, 12), (8, 8), (2, 22), (12, 12), (1, 23)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_fp32_arithmetic_gives_the_fp64_codes(device, fmt, rounding):

@@ -317,6 +317,18 @@ def test_bad_arguments(device):
         torch.ops.mpfused.activation_backward(g, g, "tanh", None, None)
     with pytest.raises(ValueError, match=r"act_input must have grad's shape \(3, 5\), got \(2, 5\)"):
         torch.ops.mpfused.activation_backward(g, g[:2], "relu", None, None)
+    # integer or complex tensors, and an integer bias dtype (the sum was truncated: bias_grad(x, int64) gave 0s)
+    with pytest.raises(ValueError, match="grad must be a float16, bfloat16, float32 or float64 tensor, got torch.int64"):
+        torch.ops.mpfused.activation_backward(g.long(), g, "relu", None, None)
+    with pytest.raises(ValueError, match="act_input must be a float16"):
+        torch.ops.mpfused.activation_backward(g, g.to(torch.complex64), "relu", None, None)
+    with pytest.raises(ValueError, match="bias_dtype must be torch.float16"):
+        torch.ops.mpfused.activation_backward(g, g, "relu", None, torch.int64)
+    with pytest.raises(ValueError, match="bias_dtype must be torch.float16"):
+        torch.ops.mpfused.bias_grad(g * 0.25, torch.int64)
+    with pytest.raises(ValueError, match="grad must be a float16"):
+        torch.ops.mpfused.bias_grad(g.int(), torch.float32)
+    assert torch.ops.mpfused.bias_grad(g * 0.25, torch.float64).tolist() == [0.75] * 5
 
 
 # ---- convert_linear ------------------------------------------------------------------------------------
