@@ -29,6 +29,7 @@ below). With a fused optimizer a whole iteration compiles with ``fullgraph=True`
 from __future__ import annotations
 
 import math
+import struct
 import numbers
 import warnings
 from collections import abc, defaultdict
@@ -126,10 +127,21 @@ def _check_int(name: str, value, lo: int, hi: int = 2**31 - 1, hi_text: str = "2
 _MIN_SCALE = 2.0**-126
 
 
-def _check_scale(name: str, value) -> float:
-    what = f"a finite number in [2**-126, {_FLT_MAX:g}] (a normal float32 scale, with a finite inverse)"
-    v = _number(name, value, what)
-    if not (math.isfinite(v) and _MIN_SCALE <= v <= _FLT_MAX):
+def _check_scale(name: str, value, loaded: bool = False) -> float:
+    """A scale given by the user: a finite number in [2**-126, FLT_MAX]. ``loaded``: a state dict's, which the
+    scaler may have saved itself after its updates took the scale below 2**-126 (about 126 overflows in a row
+    without min_scale; torch's scaler goes there too): any positive finite float32 then, so that a scaler's
+    own checkpoints always load."""
+    if loaded:
+        what = f"a finite number in (0, {_FLT_MAX:g}] (a float32 scale)"
+        v = _number(name, value, what)
+        # (as the float32 it is stored as: 1e-46 is 0 there)
+        ok = math.isfinite(v) and 0.0 < v <= _FLT_MAX and struct.unpack("f", struct.pack("f", v))[0] > 0.0
+    else:
+        what = f"a finite number in [2**-126, {_FLT_MAX:g}] (a normal float32 scale, with a finite inverse)"
+        v = _number(name, value, what)
+        ok = math.isfinite(v) and _MIN_SCALE <= v <= _FLT_MAX
+    if not ok:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return v
 
@@ -329,6 +341,7 @@ class GradScaler(torch.amp.GradScaler):
         kernel runs on any device and before any collective."""
         buckets: dict = defaultdict(lambda: ([], defaultdict(list)))
         meshes: dict = {}  # mesh -> the first (group, param) index on it, for messages
+        seen: dict = {}  # id(grad) -> (group, param) index: a param listed twice (torch's optimizers only warn)
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
                 for i, param in enumerate(group["params"]):
@@ -353,6 +366,11 @@ class GradScaler(torch.amp.GradScaler):
                     elif type(grad) not in _PLAIN and _dist.is_dtensor(grad):
                         raise TypeError(f"param {i} of param group {gi}: the grad is a {_dist.describe(grad)} but the "
                                         "param is a plain tensor; both must be DTensors with the same placements")
+                    first = seen.setdefault(id(grad), (gi, i))
+                    if first != (gi, i):
+                        raise ValueError(f"param {i} of param group {gi} has the grad of param {first[1]} of param group "
+                                         f"{first[0]} (a param listed twice?): it would be unscaled twice, and counted "
+                                         "twice in a norm")
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
@@ -789,7 +807,7 @@ class GradScaler(torch.amp.GradScaler):
             raise KeyError(f"state_dict lacks the GradScaler keys {missing}")
         # validated and made Python numbers (a checkpoint may hold tensors or numpy scalars, as torch allows)
         sd = dict(state_dict)
-        sd["scale"] = _check_scale("state_dict['scale']", sd["scale"])
+        sd["scale"] = _check_scale("state_dict['scale']", sd["scale"], loaded=True)
         sd["growth_factor"], sd["backoff_factor"] = _check_factors(
             sd["growth_factor"], sd["backoff_factor"], ("state_dict['growth_factor']", "state_dict['backoff_factor']"))
         sd["growth_interval"] = _check_int("state_dict['growth_interval']", sd["growth_interval"], 1)
@@ -805,11 +823,6 @@ class GradScaler(torch.amp.GradScaler):
         dynamic = sd.get("dynamic", self._dynamic)
         if not isinstance(dynamic, bool):
             raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
-        # the constructor's rule: a dynamic scale starts inside its clamps (the update would move it there at
-        # once, as if an overflow or a growth had happened)
-        if dynamic and not ((min_scale or 0.0) <= sd["scale"] <= (math.inf if max_scale is None else max_scale)):
-            raise ValueError(f"state_dict['scale'] ({sd['scale']}) must lie in [min_scale, max_scale] = "
-                             f"[{min_scale}, {max_scale}]")
         skipped = _check_int("state_dict['_skipped_steps']", sd.get("_skipped_steps", self.skipped_steps), 0,
                              2**63 - 1, "2**63 - 1")
         # every value is valid: write

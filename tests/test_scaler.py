@@ -421,8 +421,17 @@ def test_scales_that_float32_cannot_hold_with_a_finite_inverse_raise():
     for bad in (1e-46, torch.tensor(1e-40)):
         with pytest.raises(ValueError, match="new_scale must be a finite number"):
             scaler.update(bad)
-    with pytest.raises(ValueError, match="state_dict\\['scale'\\] must be a finite number"):
-        scaler.load_state_dict(dict(scaler.state_dict(), scale=1e-40))
+    # a state dict may hold any positive scale the updates reached (126 overflows in a row without min_scale
+    # take it below 2**-126), and a scaler's own checkpoints always load
+    low = mpfused.GradScaler("cpu", init_scale=2.0**-120)
+    low.scale(torch.ones(()))
+    for _ in range(10):
+        low._scale.mul_(0.5)  # what ten backoffs do
+    other = mpfused.GradScaler("cpu", init_scale=4.0)
+    other.load_state_dict(low.state_dict())
+    assert other.get_scale() == 2.0**-130
+    with pytest.raises(ValueError, match="state_dict\\['scale'\\] must be a finite number in \\(0"):
+        scaler.load_state_dict(dict(scaler.state_dict(), scale=1e-46))  # 0 as a float32
     assert scaler.get_scale() == 4.0
     with pytest.raises(ValueError, match="growth_factor must be a number > 1, got a tensor on the meta device"):
         mpfused.GradScaler("cpu", growth_factor=torch.tensor(2.0, device="meta"))
@@ -561,9 +570,7 @@ def test_load_state_dict_validates_everything_first(device):
                      ("growth_factor", 1.0), ("backoff_factor", 1.0), ("growth_interval", 0),
                      ("_growth_tracker", -1), ("hysteresis", 0), ("_hysteresis_left", 0), ("_hysteresis_left", 3),
                      ("min_scale", -1.0), ("dynamic", "yes"), ("_skipped_steps", -2), ("backoff_factor", 0.0),
-                     ("growth_interval", 2.5), ("scale", "8"), ("_growth_tracker", torch.ones(2)),
-                     # clamps that leave out the loaded scale, as the constructor refuses them
-                     ("min_scale", 1e6), ("max_scale", 1.0)]:
+                     ("growth_interval", 2.5), ("scale", "8"), ("_growth_tracker", torch.ones(2))]:
         sd = dict(good, **{key: bad})
         with pytest.raises((ValueError, AssertionError)):
             scaler.load_state_dict(sd)
@@ -767,3 +774,17 @@ def test_fused_clip_of_strided_fp16_grads_whose_scaled_norm_exceeds_fp16(device)
     assert scaler.skipped_steps == 0
     # the step moved p by the clipped gradient (FP16 storage of the FP32 master)
     torch.testing.assert_close(p.float(), (-unscaled / expected).half().float(), rtol=FP16_ROUNDING_RTOL, atol=0)
+
+
+def test_a_param_listed_twice_in_a_torch_optimizer_is_named_before_anything_is_unscaled():
+    """torch's optimizers only warn about a param listed twice, and torch's scaler then unscales its grad
+    twice (0.25 where 0.5 is meant). Ours names both places before any grad is unscaled."""
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = torch.optim.SGD([p, q, p], lr=0.1)
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(ValueError, match="param 2 of param group 0 has the grad of param 0 of param group 0"):
+        scaler.unscale_(opt)
+    assert p.grad.tolist() == [1.0] * 3 and q.grad.tolist() == [1.0] * 2

@@ -971,44 +971,63 @@ class FusedOptimizer(Optimizer):
             versions = self.__dict__["_mpf_versions"] = WeakIdKeyDictionary()
         return versions
 
-    def _used_states(self, group: dict) -> int:
-        """Which of the policy's states (bit k: ``_POLICY_STATES[policy][k]``) a step of ``group`` reads and
-        writes, as the operator decides it (from values that are never tensors: a tensor hyperparameter is
-        taken here as a meta tensor, read nowhere, so that nothing is copied or synced)."""
+    def _entry_checks(self, group: dict) -> tuple:
+        """What _check_state_entries asks of each state entry of ``group``'s params, made once per group and
+        step: ``key: (dtype, kind)`` per entry the kernel may take, ``kind`` 0 for a tensor of the param's
+        shape, 1 for the step count (one element), 2 for a state this step leaves alone (SGD's momentum
+        buffer without momentum: only its type is checked, as the operator checks nothing of it), 3 for the
+        FP32 master, checked where the group keeps one for the param. Which of the policy's states a step
+        uses is the operator's decision (``_C.optim_state_mask``), from values that are never tensors: a
+        tensor hyperparameter is taken here as a meta tensor, read nowhere, so that nothing is copied or
+        synced."""
         hyper = _ops.hyper_args(self._policy, self._hyper(group, _META))[0]
-        return _ops._C.optim_state_mask(self._policy, hyper)
+        used = _ops._C.optim_state_mask(self._policy, hyper)
+        names = _POLICY_STATES[self._policy]
+        checks = {}
+        for key in self._state_float_keys:
+            if key == "master_param":
+                checks[key] = (torch.float32, 3)
+            else:
+                checks[key] = (torch.float32, 0 if used >> names.index(key) & 1 else 2)
+        checks["master_remainder"] = (torch.int16, 0)
+        checks["step"] = (torch.float32, 1)
+        mw = group.get("master_weights")
+        # (and the same for _C.state_entries_check: (key, int16, kind), whether the group keeps FP32 masters)
+        flat = tuple((key, want is torch.int16, kind) for key, (want, kind) in checks.items())
+        return checks, flat, mw is not False and mw != "remainder"
 
-    def _check_state_entries(self, state: dict, group: dict, p: torch.Tensor, i: int, gi: int, used: int) -> None:
+    def _check_state_entries(self, state: dict, group: dict, p: torch.Tensor, i: int, gi: int, checks: dict) -> None:
         """The entries of param ``i`` of param group ``gi``'s state that the kernel takes, as code outside the
         optimizer may have set them (``state['step'] = 3``, a moment of another dtype, shape or device): a
         TypeError or ValueError naming the entry, the param and its group. step() runs it for every param of
         every group before anything is created or written; the operator's own checks, which run per group
         and name a position in its call's lists, then find nothing. Every entry must be a tensor; the dtype,
-        shape and device are checked where the step uses the entry, as the operator checks them (a state the
-        step leaves alone, such as SGD's momentum buffer without momentum, ``used``, is not; the master and
-        the remainder where the group keeps them). A layout other than the param's is not an error: the
-        step moves such an entry to the param's layout."""
-        names = _POLICY_STATES[self._policy]
-        for key in (*self._state_float_keys, "master_remainder", "step"):
-            value = state.get(key)
-            if value is None:
-                continue
-            where = f"state['{key}'] of param {i} of param group {gi}"
+        shape and device are checked where the step uses the entry, as the operator checks them (see
+        _entry_checks). A layout other than the param's is not an error: the step moves such an entry to the
+        param's layout. (The full path's host time: one pass over the param's entries, the param's device and
+        shape read once, the message made only for an entry that fails.)"""
+        device = shape = None
+        for key, value in state.items():
+            spec = checks.get(key)
+            if spec is None or value is None:
+                continue  # (an entry of no kernel argument)
+            want, kind = spec
             if not isinstance(value, torch.Tensor):  # set by code outside the optimizer
-                raise TypeError(f"{where} must be a tensor, got {type(value).__name__} {value!r}: the optimizer keeps "
-                                "it as one, and load_state_dict converts numbers")
-            if key in names and not used >> names.index(key) & 1:
-                continue  # a state this step leaves alone
-            if key == "master_param" and not self._wants_master(group, p):
-                continue  # dropped by the step (or rebuilt from the remainder)
-            want = torch.int16 if key == "master_remainder" else torch.float32
-            if value.dtype != want or value.device != p.device or \
-                    (value.numel() != 1 if key == "step" else value.shape != p.shape):
-                what = ("a float32 tensor of one element (the step count)" if key == "step" else
-                        f"a {str(want).replace('torch.', '')} tensor of its param's shape {tuple(p.shape)}")
-                raise ValueError(f"{where} must be {what} on its param's device {p.device}, got a {value.dtype} tensor "
-                                 f"of shape {tuple(value.shape)} on {value.device}; load_state_dict converts a saved "
-                                 "state")
+                raise TypeError(f"state['{key}'] of param {i} of param group {gi} must be a tensor, got "
+                                f"{type(value).__name__} {value!r}: the optimizer keeps it as one, and load_state_dict "
+                                "converts numbers")
+            if kind == 2 or (kind == 3 and not self._wants_master(group, p)):
+                continue  # a state this step leaves alone; a master the step drops (or rebuilds from the remainder)
+            if device is None:
+                device, shape = p.device, p.shape
+            if value.dtype is want and value.device == device and \
+                    (value.numel() == 1 if kind == 1 else value.shape == shape):
+                continue
+            what = ("a float32 tensor of one element (the step count)" if kind == 1 else
+                    f"a {str(want).replace('torch.', '')} tensor of its param's shape {tuple(p.shape)}")
+            raise ValueError(f"state['{key}'] of param {i} of param group {gi} must be {what} on its param's device "
+                             f"{p.device}, got a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}; "
+                             "load_state_dict converts a saved state")
 
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
         # (its entries were checked by step(): _check_state_entries)
@@ -1182,7 +1201,7 @@ class FusedOptimizer(Optimizer):
             dtensors = len(group["params"]) > 0 and not self._param_kind_ok(group["params"][0]) and \
                 self._check_kinds(group, f" (param group {gi})")
             params = []
-            used = None  # the policy's states this group's step uses (bit k: _POLICY_STATES' k-th), made when needed
+            with_state = []  # (i, p, state) of the params with a grad and a state: their entries are checked below
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
                     if dtensors:
@@ -1196,9 +1215,7 @@ class FusedOptimizer(Optimizer):
                         check_remainder_dtype(group, f" of param group {gi}", i, p)
                     state = self.state.get(p)
                     if state and not compiling:  # (compiled: the operator's checks, in the graph)
-                        if used is None:
-                            used = self._used_states(group)
-                        self._check_state_entries(state, group, p, i, gi, used)
+                        with_state.append((i, p, state))
                     params.append(p)
                 if stochastic:
                     # a DTensor's shard starts at its first element's index in the global param
@@ -1209,6 +1226,13 @@ class FusedOptimizer(Optimizer):
                     else:
                         offsets[id(p)] = start
                     start += p.numel()
+            if with_state:  # every entry in one C++ pass; the Python check makes the message where one fails
+                checks, flat, masters = self._entry_checks(group)
+                bad = _ops._C.state_entries_check([p for _, p, _ in with_state], [st for _, _, st in with_state], flat,
+                                                  masters)
+                if bad >= 0:
+                    i, p, state = with_state[bad]
+                    self._check_state_entries(state, group, p, i, gi, checks)
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
             work.append((group, params, dtensors))
