@@ -341,7 +341,9 @@ class GradScaler(torch.amp.GradScaler):
         kernel runs on any device and before any collective."""
         buckets: dict = defaultdict(lambda: ([], defaultdict(list)))
         meshes: dict = {}  # mesh -> the first (group, param) index on it, for messages
-        seen: dict = {}  # id(grad) -> (group, param) index: a param listed twice (torch's optimizers only warn)
+        # id(grad) -> (group, param) index: a param listed twice (torch's optimizers only warn). Not while
+        # torch.compile traces (torch 2.11's dynamo cannot trace id() of a tensor it made: a graph break)
+        seen: Optional[dict] = None if torch.compiler.is_compiling() else {}
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
                 for i, param in enumerate(group["params"]):
@@ -366,7 +368,7 @@ class GradScaler(torch.amp.GradScaler):
                     elif type(grad) not in _PLAIN and _dist.is_dtensor(grad):
                         raise TypeError(f"param {i} of param group {gi}: the grad is a {_dist.describe(grad)} but the "
                                         "param is a plain tensor; both must be DTensors with the same placements")
-                    first = seen.setdefault(id(grad), (gi, i))
+                    first = (gi, i) if seen is None else seen.setdefault(id(grad), (gi, i))
                     if first != (gi, i):
                         raise ValueError(f"param {i} of param group {gi} has the grad of param {first[1]} of param group "
                                          f"{first[0]} (a param listed twice?): it would be unscaled twice, and counted "
