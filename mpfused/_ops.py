@@ -936,6 +936,8 @@ def _gemm_backward(ctx, grad, grad_pre=None):
         grad, grad_bias = (ops.activation_backward if compiling else _activation_backward_eager)(
             grad, act_input, act, grad_pre, ctx.bias_dtype if want_bias else None)
         grad_bias = grad_bias if want_bias else None
+    elif grad_pre is not None:  # gemm_with_pre without an activation: its "pre" is a copy of out, so both count
+        grad = grad_pre if grad is None else grad + grad_pre
     grad_a = grad_b = grad_c = None
     if ctx.needs_input_grad[0]:  # alpha * grad @ b^T
         grad_a = _matmul_grad(grad, b.transpose(-1, -2), ctx.alpha, ctx.a_dtype, ctx.a_dim)

@@ -257,6 +257,23 @@ def test_pre_activation_is_the_value_before_the_activation(device, activation):
     assert (pre is out) == (activation is None)
 
 
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_gradients_of_both_outputs_of_gemm_with_pre_reach_the_operands(device, activation):
+    # A loss through `pre` as well as `out`: both gradients count, also without an activation, where `pre`
+    # is a copy of `out` (its gradient was once dropped there, silently). Small integers: exact in FP32.
+    a, b, acc, gen = int_problem(device, torch.bfloat16, m=6, n=5, k=7)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    out, pre = torch.ops.mpfused.gemm_with_pre(a, b, None, activation, 1.0, 0.0, None, torch.float32)
+    g_out = torch.randint(-3, 4, out.shape, generator=gen).float()
+    g_pre = torch.randint(-3, 4, out.shape, generator=gen).float()
+    torch.autograd.backward([out, pre], [g_out.to(device), g_pre.to(device)])
+    keep = torch.ones_like(acc) if activation is None else (acc > 0).double()
+    g = g_out.double() * keep + g_pre.double()
+    assert_bitwise(a.grad, (g @ b.detach().double().cpu().t()).to(torch.bfloat16))
+    assert_bitwise(b.grad, (a.detach().double().cpu().t() @ g).to(torch.bfloat16))
+
+
 @pytest.mark.sanitize
 def test_k_zero_is_the_epilogue_of_zero(device):
     a = torch.empty(5, 0, dtype=torch.float16, device=device)
