@@ -175,6 +175,25 @@ class FusedLinear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
 
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _convertible(module: nn.Module) -> bool:
+    """Whether convert_linear replaces ``module``: exactly an ``nn.Linear`` whose weight (and bias, if any)
+    are its registered Parameters, with no hooks of its own. ``weight_norm`` and ``spectral_norm`` keep the
+    weight as a plain tensor that a forward pre-hook recomputes, and a hook is part of what the module does;
+    a replacement would drop either."""
+    if type(module) is not nn.Linear:
+        return False
+    params = module._parameters
+    if not isinstance(params.get("weight"), nn.Parameter) or "bias" not in params:
+        return False
+    if params["bias"] is not None and not isinstance(params["bias"], nn.Parameter):
+        return False
+    return not any(getattr(module, name, None) for name in _MODULE_HOOKS)
+
+
 def _fused_from(linear: nn.Linear) -> FusedLinear:
     # Built on the meta device (nothing allocated, nothing drawn), then given linear's own Parameters.
     fused = FusedLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
@@ -197,12 +216,15 @@ def convert_linear(model: nn.Module) -> nn.Module:
 
     Only modules whose type is exactly ``nn.Linear`` are replaced: subclasses (``LazyLinear``,
     parametrized or quantized linears, ``MultiheadAttention``'s ``out_proj``) may rely on their own
-    ``forward`` or type and are left alone. Hooks registered on a replaced module are not carried over.
+    ``forward`` or type and are left alone. So is an ``nn.Linear`` with hooks of its own (forward, backward
+    or state-dict hooks: ``weight_norm`` and ``spectral_norm`` recompute its weight in one) or whose weight
+    or bias is not a registered Parameter: a replacement would drop what they do. When ``model`` is such a
+    module, it is returned unchanged.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if type(model) is nn.Linear:
-        return _fused_from(model)
+        return _fused_from(model) if _convertible(model) else model
     replaced: dict[int, FusedLinear] = {}
 
     def convert(module: nn.Module) -> None:
@@ -210,11 +232,11 @@ def convert_linear(model: nn.Module) -> nn.Module:
         for name, child in list(module._modules.items()):
             if child is None:
                 continue
-            if type(child) is nn.Linear:
+            if _convertible(child):
                 if id(child) not in replaced:
                     replaced[id(child)] = _fused_from(child)
                 setattr(module, name, replaced[id(child)])
-            else:
+            elif type(child) is not nn.Linear:
                 convert(child)
 
     convert(model)

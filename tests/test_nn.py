@@ -3,6 +3,7 @@ gradients (float64 references of the same low-precision values), autocast, the F
 and parameter sharing."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -401,6 +402,29 @@ def test_convert_linear_is_exact_on_small_integers(device, dtype):
         ours, theirs = model(x), reference(x)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, theirs) and ours.abs().max() > 0
+
+
+def test_convert_linear_leaves_hooked_and_reparametrized_linears_alone(device):
+    """weight_norm / spectral_norm keep an nn.Linear's weight as a plain tensor that a forward pre-hook
+    recomputes (replacing the module raised midway, the layers before it already replaced); a hook of the
+    user's is part of what the module does. Such linears stay as they are; the others are replaced."""
+    torch.manual_seed(5)
+    seen = []
+    hooked = nn.Linear(8, 8, device=device)
+    hooked.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates weight_norm for parametrizations)
+        normed = nn.utils.weight_norm(nn.Linear(8, 8, device=device))
+    spectral = nn.utils.spectral_norm(nn.Linear(8, 8, device=device))
+    model = nn.Sequential(nn.Linear(8, 8, device=device), normed, spectral, hooked, nn.Linear(8, 2, device=device))
+    model.eval()  # (spectral_norm's power iteration then stays put: the same weight in both calls)
+    x = torch.randn(3, 8, device=device)
+    expected = model(x)  # (deepcopy refuses a weight_norm module)
+    assert convert_linear(model) is model
+    assert [type(m) for m in model] == [FusedLinear, nn.Linear, nn.Linear, nn.Linear, FusedLinear]
+    assert model[1] is normed and model[2] is spectral and model[3] is hooked
+    assert torch.equal(model(x), expected) and seen == [(3, 8), (3, 8)]
+    assert convert_linear(hooked) is hooked and convert_linear(normed) is normed
 
 
 def test_convert_linear_on_a_bare_linear_and_bad_input(device):
