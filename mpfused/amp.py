@@ -289,8 +289,10 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     ``torch.optim.Adam``, ``AdamW`` or ``SGD`` is replaced by ``mpfused.optim.FusedAdam``, ``FusedAdamW``
     or ``FusedSGD`` with the same param groups, hyperparameters and state; a fused optimizer is kept. Any
     other optimizer is kept as is, except where FP32 master weights are needed (O2, or
-    ``master_weights=True`` with a low-precision model): that is an error. Create LR schedulers after
-    this call (they hold a reference to the optimizer).
+    ``master_weights=True`` with a low-precision model): that is an error. A torch optimizer over the
+    weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` is kept as is where no masters
+    are needed (the fused optimizers take no sparse gradients), and is an error where they are, as is a
+    fused optimizer over one. Create LR schedulers after this call (they hold a reference to the optimizer).
 
     ``opt_level``: "O0" FP32 (the accuracy baseline, loss scale 1); "O1" FP32 weights, forward under
     ``torch.autocast(device_type, dtype)`` with its low-precision outputs returned as FP32, dynamic loss
@@ -365,6 +367,27 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                                      "both; untie them, or pass keep_batchnorm_fp32=False")
     low_params = props.cast_model and any(p.is_floating_point() for p in model.parameters())
     needs_masters = low_params and props.master_weights is not False
+    # Params whose gradients are sparse (nn.Embedding / nn.EmbeddingBag with sparse=True), which the fused
+    # optimizers do not take: a torch optimizer over them is kept as it is where no masters are needed
+    # (torch's SGD trains them), and is an error where they are, as is a fused optimizer over them.
+    sparse = {id(p): f"{mname}.{pname}" if mname else pname for mname, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+              for pname, p in m._parameters.items() if p is not None}
+    keep = set()
+    for k, opt in enumerate(optimizers):
+        where = f"optimizer {k}" if container not in (None, "single") else "optimizer"
+        held = next((sparse[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in sparse), None)
+        if held is None or not (isinstance(opt, FusedOptimizer) or type(opt) in _CONVERTIBLE):
+            continue
+        if isinstance(opt, FusedOptimizer) or needs_masters:
+            raise ValueError(
+                f"the {where} ({type(opt).__name__}) updates {held!r}, the weight of an embedding with sparse=True, "
+                "whose sparse gradients the fused optimizers do not take"
+                + (f"; {opt_level} keeps FP32 master weights in a fused optimizer: build the embedding with "
+                   "sparse=False, or pass master_weights=False (a torch.optim.SGD is then kept as it is)"
+                   if needs_masters else ": build the embedding with sparse=False, or give its params a "
+                   "torch.optim.SGD of their own (kept as it is where no masters are needed)"))
+        keep.add(id(opt))  # e.g. torch.optim.SGD at O0/O1: it stays, and trains the embedding as in torch
     for k, opt in enumerate(optimizers):
         if type(opt) in _CONVERTIBLE and any(g.get("differentiable", False) for g in opt.param_groups):
             raise ValueError(f"{type(opt).__name__}(differentiable=True) cannot be converted: the fused optimizers "
@@ -416,7 +439,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
 
     # ---- optimizers (built over the still-FP32 params: nothing is modified if this fails) ----
     group_masters = props.master_weights if props.cast_model else None
-    converted = [_convert_optimizer(o, group_masters) if type(o) in _CONVERTIBLE else o for o in optimizers]
+    converted = [_convert_optimizer(o, group_masters) if type(o) in _CONVERTIBLE and id(o) not in keep else o
+                 for o in optimizers]
     for opt in converted:
         if isinstance(opt, FusedOptimizer):
             for group in opt.param_groups:

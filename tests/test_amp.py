@@ -550,6 +550,35 @@ def test_a_non_convertible_optimizer_is_kept_where_no_masters_are_needed(device)
         iteration(model, out, scaler, x, y)
 
 
+def test_an_optimizer_over_a_sparse_embedding(device):
+    """The fused optimizers take no sparse gradients: a torch.optim.SGD over an nn.Embedding(sparse=True) is
+    kept where no masters are needed, and trains the embedding as in torch; where masters are needed, and
+    for a fused optimizer over it, initialize raises before anything changes (it once converted the SGD,
+    whose first step then failed, the model already cast and the old optimizer disabled)."""
+    def model_and_sgd():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)).to(device)
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    tokens = torch.tensor([1, 2, 2], device=device)
+    for level, kwargs in (("O0", {}), ("O1", {}), ("O3", {}), ("O2", {"master_weights": False})):
+        model, opt = model_and_sgd()
+        model, out, scaler = amp.initialize(model, opt, level, dtype=torch.bfloat16, **kwargs)
+        assert out is opt
+        before = model[0].weight.detach().clone()
+        scaler.scale(model(tokens).float().sum()).backward()
+        assert model[0].weight.grad.is_sparse
+        scaler.step(out)
+        scaler.update()
+        assert (model[0].weight != before).any(1).nonzero().flatten().tolist() == [1, 2], level
+    for make, level in ((lambda m: torch.optim.SGD(m.parameters(), lr=0.5), "O2"),
+                        (lambda m: FusedSGD(m.parameters(), lr=0.5), "O1")):
+        model, _ = model_and_sgd()
+        with pytest.raises(ValueError, match=r"updates '0.weight', the weight of an embedding with sparse=True"):
+            amp.initialize(model, make(model), level, dtype=torch.bfloat16)
+        assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
+
+
 def test_deepcopy_and_state_dict_of_an_initialized_model(device):
     model, _, _ = amp.initialize(net(device), None, "O2")
     keys = set(net(device).state_dict())
