@@ -22,6 +22,8 @@ The four levels (the table of apex.amp, implemented here from scratch):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import math
 import numbers
@@ -96,7 +98,8 @@ def properties(model: nn.Module) -> Optional[AmpProperties]:
 # ---- casting helpers ------------------------------------------------------------------------------
 def _cast_floating(obj, dtype: torch.dtype, only: Optional[tuple] = None):
     """``obj`` with every floating tensor (or only those whose dtype is in ``only``) cast to ``dtype``,
-    through nested lists, tuples (namedtuples included) and dicts. Anything else is returned as is."""
+    through nested lists, tuples (namedtuples included), dicts and dataclass instances (a copy, the original
+    left as it is). Anything else is returned as is."""
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point() and obj.dtype != dtype and (only is None or obj.dtype in only):
             return obj.to(dtype)
@@ -112,6 +115,20 @@ def _cast_floating(obj, dtype: torch.dtype, only: Optional[tuple] = None):
             return type(obj)(items)
         except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
             return dict(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # A copy with its fields cast (frozen ones too), made without calling __init__ or __post_init__
+        changed = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            cast = _cast_floating(value, dtype, only)
+            if cast is not value:
+                changed[f.name] = cast
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        for name, value in changed.items():
+            object.__setattr__(out, name, value)
+        return out
     return obj
 
 

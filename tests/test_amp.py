@@ -2,6 +2,7 @@
 hyperparameters, param groups and state), errors, and O2 tracking O0."""
 
 import copy
+import dataclasses
 import inspect
 from collections import OrderedDict, namedtuple
 
@@ -191,6 +192,12 @@ def test_a_replaced_optimizer_refuses_to_step(device):
 Pair = namedtuple("Pair", "a b")
 
 
+@dataclasses.dataclass(frozen=True)
+class Box:  # (a model output as a dataclass, e.g. a frozen one)
+    t: torch.Tensor
+    n: int
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_inputs_cast_to_dtype_and_outputs_back_to_fp32_through_nesting(device, level):
     seen = {}
@@ -202,18 +209,23 @@ def test_inputs_cast_to_dtype_and_outputs_back_to_fp32_through_nesting(device, l
 
         def forward(self, x, pair, items, *, extra, ids):
             seen.update(x=x.dtype, a=pair.a.dtype, b=pair.b.dtype, item0=items[0].dtype, d=items[1]["d"].dtype,
-                        extra=extra.dtype, ids=ids.dtype, pair_type=type(pair), items_type=type(items))
+                        box=items[2].t.dtype, extra=extra.dtype, ids=ids.dtype, pair_type=type(pair),
+                        items_type=type(items))
             h = self.fc(x)
-            return OrderedDict(out=h, pair=Pair(h, ids), parts=[h.double(), (h, 3)])
+            return OrderedDict(out=h, pair=Pair(h, ids), parts=[h.double(), (h, 3)], box=Box(h, 7))
 
     dtype = torch.float16
     model, _, _ = amp.initialize(Nested().to(device), None, level, dtype=dtype)
     f32 = torch.randn(2, 4, device=device)
-    out = model(f32, Pair(f32.double(), f32.bfloat16()), [f32, {"d": f32}], extra=f32,
+    box_in = Box(f32.double(), 7)
+    out = model(f32, Pair(f32.double(), f32.bfloat16()), [f32, {"d": f32}, box_in], extra=f32,
                 ids=torch.arange(2, device=device))
     # Every floating input arrives in dtype (float64 and bfloat16 included); integer ones are untouched.
-    assert {k: seen[k] for k in ("x", "a", "b", "item0", "d", "extra")} == dict.fromkeys(
-        ("x", "a", "b", "item0", "d", "extra"), dtype)
+    keys = ("x", "a", "b", "item0", "d", "box", "extra")
+    assert {k: seen[k] for k in keys} == dict.fromkeys(keys, dtype)
+    assert box_in.t.dtype == torch.float64  # (a dataclass is cast in a copy: the caller's is left as it is)
+    assert type(out["box"]) is Box and out["box"].t.dtype == (torch.float32 if level == "O2" else dtype)
+    assert out["box"].n == 7
     assert seen["ids"] == torch.int64 and seen["pair_type"] is Pair and seen["items_type"] is list
     assert type(out) is OrderedDict and type(out["pair"]) is Pair
     expected = torch.float32 if level == "O2" else dtype
