@@ -148,10 +148,20 @@ class FusedLinear(nn.Module):
                 f"activation={self.activation!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            # torch.jit.script compiles only this branch (the fused path's autocast queries and Python autograd
+            # function are not TorchScript): torch's linear and activation, as the FP32 fallback computes them.
+            y = F.linear(x, self.weight, self.bias)
+            act = self.activation
+            if act is None:
+                return y
+            if act == "relu":
+                return F.relu(y)
+            return F.gelu(y, approximate="tanh" if act == "gelu" else "none")
         weight, bias = self.weight, self.bias
         device_type = x.device.type
         fusable_device = device_type in ("cpu", "cuda")
-        if fusable_device and torch.is_autocast_enabled(device_type) and not any(
+        if fusable_device and x.is_floating_point() and torch.is_autocast_enabled(device_type) and not any(
                 _ops.intercepts_dispatch(t) for t in (x, weight, bias)):
             dtype = torch.get_autocast_dtype(device_type)
             if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):

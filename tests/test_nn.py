@@ -3,6 +3,7 @@ gradients (float64 references of the same low-precision values), autocast, the F
 and parameter sharing."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -113,6 +114,35 @@ def test_autocast_grads_reach_fp32_weights(device):
     y.float().sum().backward()
     assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
     assert layer.bias.grad.dtype == torch.float32 and layer.bias.grad.abs().sum() > 0
+
+
+def test_an_integer_input_under_autocast_is_refused_as_nn_linear_refuses_it(device):
+    # autocast casts floating tensors only: an int64 input reaches torch's linear as it is, which refuses it
+    # (it was cast to the autocast dtype here, and the layer returned a result).
+    fused, ref = FusedLinear(4, 3, device=device), nn.Linear(4, 3, device=device)
+    x = torch.arange(8, device=device).reshape(2, 4)
+    for layer in (ref, fused):
+        with torch.autocast(device, dtype=torch.bfloat16), pytest.raises(RuntimeError, match="same dtype"):
+            layer(x)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")  # (torch 2.13 deprecates TorchScript)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_torch_jit_script_compiles_torchs_linear_over_the_same_parameters(device, activation):
+    # As nn.Linear scripts (the fused path is not TorchScript: the scripted forward is its FP32 fallback's
+    # computation); the eager model keeps its FusedLinear modules.
+    torch.manual_seed(6)
+    model = nn.Sequential(FusedLinear(6, 5, activation=activation, device=device), nn.ReLU(),
+                          FusedLinear(5, 3, bias=False, device=device))
+    scripted = torch.jit.script(model)
+    assert [type(m) for m in model] == [FusedLinear, nn.ReLU, FusedLinear]
+    assert scripted[0].weight is model[0].weight
+    x = torch.randn(4, 6, device=device)
+    assert torch.equal(scripted(x), model(x))
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.jit.load(buffer, map_location=device)(x), model(x))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
