@@ -231,6 +231,31 @@ def test_stochastic_write_back_matches_the_philox_reference(dtype, cls):
 
 
 @pytest.mark.parametrize("dtype", LOWP)
+def test_sgd_momentum_turned_on_mid_run_keeps_the_stochastic_stream_counting(dtype):
+    """A stochastic FusedSGD group's step count is its write-back's stream. Turning momentum on after three
+    steps (a schedule) once reset the count to 0, so steps 4-6 rounded with the bits of steps 1-3. The count
+    goes on; the new buffer starts from zeros, so the first momentum step's buffer is the grad (torch's
+    first buffer, dampening 0), and each step still equals the Philox reference."""
+    p = torch.nn.Parameter(torch.randn(300).to(dtype))
+    opt = FusedSGD([p], lr=0.01, momentum=0.0, master_weights=False, rounding="stochastic", seed=77)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, 7):
+        if step == 4:
+            opt.param_groups[0]["momentum"] = 0.5
+        p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        before = p.detach().float()
+        buffer = opt.state[p]["momentum_buffer"].clone() if step > 4 else None
+        opt.step()
+        assert float(opt.state[p]["step"]) == step
+        grad = p.grad.float()
+        update = grad if step <= 4 else buffer * 0.5 + grad  # (step 4: the first buffer, the grad itself)
+        if step >= 4:
+            assert torch.equal(opt.state[p]["momentum_buffer"], update)
+        want = sr_reference(before - 0.01 * update, words_of(77, 0, p.numel(), step), dtype)
+        assert torch.equal(bits(p), want), step
+
+
+@pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("before, lead", [(70, 0), (70, 3), (40, 0)])
 def test_stochastic_write_back_across_a_carry_of_the_block_counter(dtype, before, lead):
     """A param whose element indices pass 2^35 (Philox block 2^32: the counter's low word carries),

@@ -66,7 +66,12 @@ class FusedSGD(FusedOptimizer):
         if group["momentum"] != 0:
             if "momentum_buffer" not in state or state["momentum_buffer"] is None:
                 state["momentum_buffer"] = self._fp32_zeros(p)
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                if group.get("rounding") != "stochastic" or "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                # else: momentum turned on (or a buffer set to None) in a stochastic group, whose step count is
+                # its write-back's random stream: counting again from 0 would round with the bits of steps
+                # already taken. The count goes on, and the buffer starts from zeros: the first momentum step
+                # then takes (1 - dampening) * grad, which is torch's first buffer, the grad, when dampening is 0.
             elif "step" not in state:
                 # A buffer loaded from torch.optim.SGD has been written: the next step is not the first.
                 state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
