@@ -402,14 +402,24 @@ class FixedPointSGD(torch.optim.Optimizer):
         """torch's (load_state_dict ends here, after its pre-hooks, having changed nothing before), after
         refusing groups that ask for what this SGD does not do (a torch.optim.SGD or FusedSGD state dict with
         nesterov, dampening, weight_decay or maximize: loaded, the run would go on with another update rule,
-        in silence); then a group saved without some of our keys (a torch.optim.SGD state dict: no fmt,
-        rounding or seed; a seed of None) takes them from the defaults, and a one-element tensor step (a
-        FusedSGD state dict's float32 count) becomes the int this optimizer counts in."""
+        in silence); a group saved by another optimizer (no fmt) keeps this one's fmt, rounding and seed (its
+        own group's, else the defaults); then a group's missing values (a seed of None) come from the
+        defaults, and a one-element tensor step (a FusedSGD state dict's float32 count) becomes the int this
+        optimizer counts in."""
         for gi, group in enumerate(state.get("param_groups", [])):
             for key, plain in (("nesterov", False), ("dampening", 0), ("weight_decay", 0), ("maximize", False)):
                 if group.get(key, plain) != plain:
                     raise ValueError(f"param group {gi} of the state dict has {key}={group[key]!r}, which FixedPointSGD "
                                      f"does not implement (its update is w - lr * (momentum * m + g)); nothing was loaded")
+        # A group saved by another optimizer (no fmt: torch.optim.SGD, FusedSGD) keeps this optimizer's fixed-point
+        # values, the group's own where it has one: a FusedSGD's "rounding" and "seed" are its FP16/BF16 write-back's,
+        # and taken here they switched a stochastic FixedPointSGD to nearest, in silence.
+        before = self.__dict__.get("param_groups") or []
+        foreign = [gi for gi, group in enumerate(state.get("param_groups", [])) if "fmt" not in group]
+        for gi in foreign:
+            own = before[gi] if gi < len(before) else {}
+            for key in ("fmt", "rounding", "seed"):
+                state["param_groups"][gi][key] = own.get(key, self.defaults[key])
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self.defaults.items():

@@ -495,17 +495,22 @@ def test_sgd_refuses_a_state_dict_of_another_update_rule(kw):
 
 def test_sgd_loads_torch_and_fused_sgd_state_dicts():
     # torch.optim.SGD's groups have no fmt, rounding or seed (a KeyError at the next step); FusedSGD's count
-    # their steps in a float32 tensor and have seed None
-    for make in (lambda p: torch.optim.SGD([p], lr=0.25, momentum=0.5), lambda p: mo.FusedSGD([p], lr=0.25, momentum=0.5)):
-        p = torch.nn.Parameter(torch.zeros(4))
-        other = make(p)
+    # their steps in a float32 tensor, and their rounding and seed are their FP16/BF16 write-back's (taken,
+    # they once switched a stochastic FixedPointSGD to nearest): each group keeps its own fixed-point values
+    for make in (lambda ps: torch.optim.SGD([{"params": [p]} for p in ps], lr=0.25, momentum=0.5),
+                 lambda ps: mo.FusedSGD([{"params": [p]} for p in ps], lr=0.25, momentum=0.5, seed=3)):
+        p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
+        other = make([p, q])
         for _ in range(2):
-            p.grad = torch.ones(4)
+            p.grad, q.grad = torch.ones(4), torch.ones(2)
             other.step()
-        opt = fxp.FixedPointSGD([p], lr=0.25, fmt=(4, 8), momentum=0.5, seed=9)
+        opt = fxp.FixedPointSGD([{"params": [p]}, {"params": [q], "fmt": (6, 10), "seed": 11}], lr=0.25, fmt=(4, 8),
+                                momentum=0.5, seed=9, rounding="stochastic")
         opt.load_state_dict(other.state_dict())
         group = opt.param_groups[0]
-        assert group["fmt"] == (4, 8) and group["seed"] in (9,) and group["momentum"] == 0.5
+        assert group["fmt"] == (4, 8) and group["seed"] == 9 and group["momentum"] == 0.5
+        assert group["rounding"] == "stochastic" and opt.param_groups[1]["rounding"] == "stochastic"
+        assert opt.param_groups[1]["fmt"] == (6, 10) and opt.param_groups[1]["seed"] == 11
         assert opt.state[p].get("step", 0) in (0, 2) and torch.equal(opt.state[p]["momentum_buffer"], torch.full((4,), 1.5))
         p.grad = torch.ones(4)
         opt.step()  # after -0.25, -0.625: m = 0.5 * 1.5 + 1 = 1.75, p = -0.625 - 0.25 * 1.75 (on the 2^-8 grid)
