@@ -251,9 +251,9 @@ def _derive_seed(seed: int, *words: int) -> int:
 
 class _FixedPointLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx, x, weight, bias, layer, call):
         fmt, gfmt = layer.fmt, layer.grad_fmt
-        rounding, seed, call = layer.rounding, layer.seed, layer.calls
+        rounding, seed = layer.rounding, layer.seed
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: in_features may be 0)
         xc = encode(x2, fmt.il, fmt.fl, rounding=rounding, seed=_derive_seed(seed, _LAYER, call, 0))
         wc = encode(weight.detach(), fmt.il, fmt.fl)  # on the grid already (FixedPointSGD keeps it there)
@@ -288,7 +288,7 @@ class _FixedPointLinearFn(torch.autograd.Function):
                 grad_w, grad_b = gw[:, :-1].contiguous(), gw[:, -1].contiguous()
             else:
                 grad_w = gw
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class FixedPointLinear(nn.Module):
@@ -332,9 +332,15 @@ class FixedPointLinear(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
             got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input must be a tensor of shape (..., in_features={self.in_features}), got {got}")
-        y = _FixedPointLinearFn.apply(x, self.weight, self.bias, self)
+        if x.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"input must be a float32 or float64 tensor, got {x.dtype}: the output, a value of fmt "
+                             f"{self.fmt} held exactly in float32, is returned in the input's dtype, and {x.dtype} "
+                             "would round it again; pass x.float()")
+        # The count advances before the call: a forward that stops midway (activation checkpointing's recompute
+        # ends early, from inside the function) must not leave its number to the next call, whose bits it drew.
+        call = self.calls
         self.calls += 1
-        return y
+        return _FixedPointLinearFn.apply(x, self.weight, self.bias, self, call)
 
     def get_extra_state(self):
         return {"calls": self.calls, "seed": self.seed}

@@ -3,6 +3,7 @@ fixed point (FixedPointLinear, FixedPointSGD), against exact references: float64
 step of it is exact in double) and Python integers for the MACC; the random words come from
 mpfused.random.philox_words, so the stochastic results are checked bit for bit too."""
 
+import copy
 import hashlib
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.utils.checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -436,6 +438,21 @@ def test_linear_rejects_input_of_the_wrong_width():
             layer(x)
 
 
+def test_linear_takes_float32_and_float64_inputs_only():
+    # The output, a value of fmt exact in float32, comes back in the input's dtype: a float16 or bfloat16
+    # input had it rounded a second time (<8,8>'s 119.53125 came back as 119.5), an integer one truncated
+    layer = fxp.FixedPointLinear(6, 1, (8, 8), rounding="nearest", bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(0.99609375)
+    x = torch.full((1, 6), 20.0)
+    assert layer(x).item() == 119.53125 and layer(x.double()).item() == 119.53125
+    assert layer(x.double()).dtype == torch.float64
+    for dtype in (torch.float16, torch.bfloat16, torch.int32):
+        with pytest.raises(ValueError, match=f"input must be a float32 or float64 tensor, got {dtype}"):
+            layer(x.to(dtype))
+    assert layer.calls == 3  # (a refused input is not a call)
+
+
 @pytest.mark.parametrize("key, bad", [("rounding", "up"), ("fmt", (0, 4)), ("lr", "x"), ("lr", float("nan")),
                                       ("seed", 1.5), ("momentum", 1.0)])
 def test_sgd_checks_every_group_before_writing_any(key, bad):
@@ -813,3 +830,22 @@ def test_linear_stochastic_calls_draw_fresh_bits_and_replay_from_the_count():
     other = make(6)
     other.load_state_dict({**layer.state_dict(), **state, "_extra_state": {"calls": 0, "seed": 6}})
     assert not torch.equal(other(x).detach(), first)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_linear_under_activation_checkpointing_counts_the_recompute_as_a_call(reentrant):
+    # The recompute is a call of its own (README): after one checkpointed forward and backward the count is
+    # 2, and the next forward draws as call 2. The non-reentrant recompute stops early, inside the function;
+    # the count once advanced after it, so the recompute left call 1 to the next forward, which drew its bits
+    # again.
+    torch.manual_seed(2)
+    layer = fxp.FixedPointLinear(16, 8, (4, 8), rounding="stochastic", seed=3)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(5, 16, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant).sum().backward()
+    assert layer.calls == 2
+    after = layer(x).detach()
+    twin.calls = 2
+    assert torch.equal(after, twin(x).detach())
+    twin.calls = 1
+    assert not torch.equal(after, twin(x).detach())
