@@ -110,6 +110,24 @@ def test_remainder_needs_bf16_params(cls, dtype):
     opt = cls([torch.nn.Parameter(torch.randn(3).bfloat16())], master_weights="remainder")
     with pytest.raises(ValueError, match="master_weights"):
         opt.add_param_group(dict(params=[p]))
+    # and in a loaded state dict (taken once, the saved remainders dropped and the next step refused)
+    bf16 = torch.nn.Parameter(torch.randn(4).bfloat16())
+    saved = cls([bf16], master_weights="remainder", **KW[cls])
+    bf16.grad = torch.ones_like(bf16)
+    saved.step()
+    mine = cls([p], master_weights=dtype != torch.float32, **KW[cls])
+    p.grad = torch.ones_like(p)
+    mine.step()
+    before = copy.deepcopy(mine.state_dict())
+    with pytest.raises(ValueError, match="'remainder' needs bfloat16 params .* param group 0 of the loaded state dict"):
+        mine.load_state_dict(saved.state_dict())
+    after = mine.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][0][k], v) for k, v in before["state"][0].items())
+    bad = saved.state_dict()
+    bad["param_groups"][0]["rounding"] = "up"
+    with pytest.raises(ValueError, match="Invalid rounding.*loaded state dict"):
+        saved.load_state_dict(bad)
 
 
 @pytest.mark.parametrize("cls", ALL)

@@ -1571,6 +1571,13 @@ class FusedOptimizer(Optimizer):
             for key, value in self.defaults.items():
                 ng.setdefault(key, value)
             new_groups.append(ng)
+        # The saved precision keys, as add_param_group checks them, before anything is loaded (master_weights=
+        # "remainder" saved with BF16 params and loaded over FP16 or FP32 ones was taken, and the next step raised)
+        for gi, ng in enumerate(new_groups):
+            where = f" (param group {gi} of the loaded state dict; nothing was loaded)"
+            check_precision(ng, where)
+            for i, p in enumerate(ng["params"]):
+                check_remainder_dtype(ng, f" of param group {gi} of the loaded state dict (nothing was loaded)", i, p)
         self.__setstate__({"state": state, "param_groups": new_groups})
         for group in self.param_groups:
             for p in group["params"]:
