@@ -322,6 +322,89 @@ int64_t state_entries_check(const pybind11::list& params, const pybind11::list& 
   return -1;
 }
 
+// FusedOptimizer.step()'s full path, after state_entries_check: the first two tensors that a step writes in
+// place and that share memory, as (i, key_i, j, key_j): positions in `params` and the state entries' keys
+// (None: the param itself); else None. Written in place are the params and the state entries the step takes
+// as they are: `checks_list[group_of[i]]` holds (checks, masters, remainder) for param i's group, with
+// state_entries_check's checks; kind 2 (a state the step leaves alone) is not taken, nor a master or a
+// remainder the group does not keep. An entry set by hand over another's memory (state['exp_avg'] =
+// state['exp_avg_sq'], or a param's own tensor) was updated twice from the same old values, one write lost, in
+// silence. Spans are the bytes from a tensor's first element over numel elements: exact for the dense
+// tensors it takes (a strided entry is moved to its param's layout by the step, so it shares nothing).
+pybind11::object state_overlap(const pybind11::list& params, const pybind11::list& states,
+                               const std::vector<int64_t>& group_of, const pybind11::list& checks_list) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(states.ptr()) != n || static_cast<Py_ssize_t>(group_of.size()) != n)
+    fail("states and group_of must have one entry per param");
+  struct Checks {
+    std::vector<PyObject*> keys;
+    std::vector<long> kinds;
+    std::vector<bool> int16;
+    bool masters, remainder;
+  };
+  std::vector<Checks> groups;
+  for (const pybind11::handle g : checks_list) {
+    const auto t = g.cast<pybind11::tuple>();
+    Checks c;
+    for (const pybind11::handle e : t[0].cast<pybind11::tuple>()) {
+      const auto entry = e.cast<pybind11::tuple>();
+      c.keys.push_back(entry[0].ptr());
+      c.int16.push_back(entry[1].cast<bool>());
+      c.kinds.push_back(entry[2].cast<long>());
+    }
+    c.masters = t[1].cast<bool>();
+    c.remainder = t[2].cast<bool>();
+    groups.push_back(std::move(c));
+  }
+  struct Span {
+    int64_t device;
+    uintptr_t lo, hi;
+    Py_ssize_t i;
+    PyObject* key;  // borrowed; nullptr: the param
+  };
+  std::vector<Span> spans;
+  const auto add = [&spans](const at::Tensor& t, Py_ssize_t i, PyObject* key) {
+    if (t.numel() == 0 || !t.has_storage() || t.is_meta() || !t.is_non_overlapping_and_dense()) return;
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    if (lo == 0) return;  // (no memory: nothing to share)
+    const int64_t device = static_cast<int64_t>(t.device().type()) << 16 | (t.device().index() + 1);
+    spans.push_back({device, lo, lo + static_cast<uintptr_t>(t.numel() * t.element_size()), i, key});
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const po = PyList_GET_ITEM(params.ptr(), i);
+    PyObject* const state = PyList_GET_ITEM(states.ptr(), i);
+    const int64_t gi = group_of[static_cast<size_t>(i)];
+    if (!THPVariable_Check(po) || gi < 0 || gi >= static_cast<int64_t>(groups.size())) fail("bad params or group_of");
+    const at::Tensor& p = THPVariable_Unpack(po);
+    add(p, i, nullptr);
+    if (!PyDict_Check(state)) continue;
+    const Checks& c = groups[static_cast<size_t>(gi)];
+    for (size_t j = 0; j < c.keys.size(); ++j) {
+      const long kind = c.kinds[j];
+      if (kind == 2 || (kind == 3 && (!c.masters || p.scalar_type() == at::kFloat)) || (c.int16[j] && !c.remainder))
+        continue;
+      PyObject* const entry = PyDict_GetItemWithError(state, c.keys[j]);  // borrowed
+      if (!entry) {
+        if (PyErr_Occurred()) throw pybind11::error_already_set();
+        continue;
+      }
+      if (THPVariable_Check(entry)) add(THPVariable_Unpack(entry), i, c.keys[j]);
+    }
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.device != b.device ? a.device < b.device : a.lo < b.lo;
+  });
+  const Span* reach = nullptr;  // of the spans before, on this device, the one that ends furthest
+  for (const Span& s : spans) {
+    if (reach && reach->device == s.device && s.lo < reach->hi) {
+      const auto key = [](PyObject* k) { return pybind11::reinterpret_borrow<pybind11::object>(k ? k : Py_None); };
+      return pybind11::make_tuple(reach->i, key(reach->key), s.i, key(s.key));
+    }
+    if (!reach || reach->device != s.device || s.hi > reach->hi) reach = &s;
+  }
+  return pybind11::none();
+}
+
 // The Python arguments of a direct operator call (below) as the schema's tensors: each a plain tensor (see
 // plain_tensor) or None where optional; anything else clears `ok`, and the caller then returns false having
 // called nothing (Python goes through torch.ops, which hands a subclass its __torch_function__, or raises
@@ -485,6 +568,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The version counters of the params with a master or a remainder, as bytes (empty where the lists do not match).");
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
+  m.def("state_overlap", &state_overlap, pybind11::arg("params"), pybind11::arg("states"), pybind11::arg("group_of"),
+        pybind11::arg("checks_list"),
+        "The first two tensors a step writes in place (params, state entries) that share memory, else None.");
   m.def("state_entries_check", &state_entries_check, pybind11::arg("params"), pybind11::arg("states"),
         pybind11::arg("checks"), pybind11::arg("masters"),
         "The index of the first param whose state holds an entry the optimizer's operator would refuse, else -1.");

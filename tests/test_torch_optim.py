@@ -602,6 +602,51 @@ def test_params_tied_after_they_were_added_are_rejected_before_anything_is_writt
         torch.testing.assert_close(b.float(), ref.param_groups[0]["params"][0].detach(), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_state_entries_over_shared_memory_are_rejected_before_anything_is_written(dtype):
+    """A state entry set by hand over another's memory (``state['exp_avg'] = state['exp_avg_sq']``, a param's
+    tensor, one step count for two params) was updated twice from the same old values, one write lost, in
+    silence. The full path (which a new entry object sends the step to) names both before any write; views
+    of one buffer that do not overlap step as before."""
+    params = [torch.nn.Parameter(torch.randn(6).to(dtype)) for _ in range(3)]
+    opt = FusedAdamW([dict(params=params[:2]), dict(params=params[2:])], lr=0.1)
+
+    def step():
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+    step()
+    st = opt.state[params[1]]
+    for entry, other, match in (
+            (("exp_avg", params[1], "exp_avg_sq"), None,
+             r"state\['exp_avg_sq'\] of param 1 of param group 0 and state\['exp_avg'\] of param 1 of param group 0"),
+            (("exp_avg", params[1], None), params[2], "param 0 of param group 1 and state\\['exp_avg'\\] of param 1"),
+            (("step", params[0], "step"), params[2], r"state\['step'\] of param 0 of param group 1 and state\['step'\] of "
+                                                     r"param 0 of param group 0")):
+        key, owner, source = entry
+        kept = opt.state[owner][key]
+        if other is None:
+            opt.state[owner][key] = opt.state[owner][source]
+        elif source is None:
+            opt.state[owner][key] = other.data if dtype == torch.float32 else opt.state[other]["master_param"]
+        else:
+            opt.state[owner][key] = opt.state[other][source]
+        before = [p.detach().clone() for p in params]
+        states = copy.deepcopy(opt.state_dict()["state"])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(ValueError, match=match + ".* are over the same memory"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, before))
+        assert str(opt.state_dict()["state"]) == str(states)
+        opt.state[owner][key] = kept
+    buffer = torch.zeros(12)
+    st["exp_avg"], st["exp_avg_sq"] = buffer[:6].copy_(st["exp_avg"]), buffer[6:].copy_(st["exp_avg_sq"])
+    step()  # disjoint views of one buffer
+    assert st["exp_avg"].data_ptr() == buffer.data_ptr() and float(st["step"]) == 2
+
+
 @pytest.mark.parametrize("name", PAIRS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_backward_through_params_the_step_changed_raises_as_torchs(name, dtype):

@@ -1029,6 +1029,24 @@ class FusedOptimizer(Optimizer):
                              f"{p.device}, got a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}; "
                              "load_state_dict converts a saved state")
 
+    @staticmethod
+    def _check_state_disjoint(params: list, states: list, group_of: list, where: list, checks: list) -> None:
+        """No two of the tensors a step writes in place share memory: the params and the state entries it
+        takes as they are (_C.state_overlap says which). An entry set by hand over another's memory
+        (``state['exp_avg'] = state['exp_avg_sq']``, or over a param) was updated twice from the same old
+        values, one write lost, in silence; on a GPU the writes would race. A ValueError naming both."""
+        found = _ops._C.state_overlap(params, states, group_of, checks)
+        if found is None:
+            return
+
+        def name(k: int, key) -> str:
+            gi, i = where[k]
+            return f"param {i} of param group {gi}" if key is None else f"state['{key}'] of param {i} of param group {gi}"
+
+        raise ValueError(f"{name(found[2], found[3])} and {name(found[0], found[1])} are over the same memory; a fused "
+                         "step writes each in place, so one would be updated from the other's old values: give each "
+                         "state entry a tensor of its own (e.g. .clone())")
+
     def _state_for(self, group: dict, p: torch.Tensor) -> dict:
         # (its entries were checked by step(): _check_state_entries)
         state = self.state.get(p)
@@ -1193,6 +1211,7 @@ class FusedOptimizer(Optimizer):
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
         stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
         start = 0
+        stated = ([], [], [], [], [])  # the params with a state, their states, groups, (gi, i), each group's checks
         for gi, group in enumerate(self.param_groups):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
@@ -1233,9 +1252,17 @@ class FusedOptimizer(Optimizer):
                 if bad >= 0:
                     i, p, state = with_state[bad]
                     self._check_state_entries(state, group, p, i, gi, checks)
+                for i, p, state in with_state:
+                    stated[0].append(p)
+                    stated[1].append(state)
+                    stated[2].append(len(stated[4]))
+                    stated[3].append((gi, i))
+                stated[4].append((flat, masters, remainder))
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
             work.append((group, params, dtensors))
+        if stated[0]:
+            self._check_state_disjoint(*stated)
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
                 group["seed"] = self._default_seed()
