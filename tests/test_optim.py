@@ -780,3 +780,10 @@ def test_meta_tensors_that_hold_no_value_are_named_before_anything_is_written():
     with pytest.raises(ValueError, match="FusedLAMB's max_grad_norm .*devices: \\['cpu', 'meta'\\]"):
         FusedLAMB([p, q]).step()
     assert torch.equal(p, torch.ones(3))
+    # FusedLAMB's own global norm unscales first: a meta or sparse scale there was torch's raw error
+    lamb = FusedLAMB([p])
+    for bad, what in ((meta, "is on the meta device"), (torch.ones(1).to_sparse(), "must be a dense tensor")):
+        for key in ("inv_scale", "grad_scale"):
+            with pytest.raises(ValueError, match=f"StepScaling.{key} {what}"):
+                lamb.step(scaling=StepScaling(**{key: bad}))
+    assert torch.equal(p, torch.ones(3)) and not lamb.state.get(p)

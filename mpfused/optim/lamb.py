@@ -95,6 +95,12 @@ class FusedLAMB(FusedOptimizer):
             raise ValueError("FusedLAMB's max_grad_norm clips by the global norm of every param's gradient, and "
                              "params on the meta device hold no values to add to the others' (devices: "
                              f"{sorted(map(str, by_device))}); step the meta params apart, or set max_grad_norm=0")
+        for name in ("inv_scale", "grad_scale"):  # (as the step's own scalars are checked: this pass comes first)
+            t = getattr(scaling, name)
+            if t is not None and (t.is_meta or t.layout != torch.strided):
+                what = "is on the meta device, which holds no value" if t.is_meta else f"must be a dense tensor, got a {t.layout}"
+                raise ValueError(f"StepScaling.{name} {what}: give a one-element float32 tensor on the params' device "
+                                 "or the CPU")
         total = None
         for device, grads in by_device.items():
             inv = None
