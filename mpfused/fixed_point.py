@@ -348,6 +348,24 @@ class FixedPointLinear(nn.Module):
     def set_extra_state(self, state):
         self.calls, self.seed = int(state["calls"]), int(state["seed"])
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # An nn.Linear's state dict (a float model's weights, to train on in fixed point) has no call count and
+        # seed: the layer keeps its own, where strict loading reported a missing key, and the loaded weight and
+        # bias are converted to fmt (to nearest), the grid the layer holds them on.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            return
+        if key in missing_keys:
+            missing_keys.remove(key)
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                t = getattr(self, name)
+                if prefix + name in state_dict and t is not None and not t.is_meta:
+                    t.copy_(quantize(t, self.fmt.il, self.fmt.fl))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
                 f"grad_fmt={self.grad_fmt}, bias={self.bias is not None}, rounding={self.rounding!r}, seed={self.seed}")

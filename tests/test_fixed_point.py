@@ -849,3 +849,23 @@ def test_linear_under_activation_checkpointing_counts_the_recompute_as_a_call(re
     assert torch.equal(after, twin(x).detach())
     twin.calls = 1
     assert not torch.equal(after, twin(x).detach())
+
+
+def test_linear_loads_an_nn_linear_state_dict_onto_its_grid():
+    # A float model's weights, to train on in fixed point: strict loading once failed on the missing call
+    # count; the layer keeps its count and seed, and holds the weights converted to fmt (to nearest)
+    torch.manual_seed(3)
+    ref = torch.nn.Linear(6, 3)
+    layer = fxp.FixedPointLinear(6, 3, (4, 8), rounding="nearest", seed=4)
+    layer(torch.randn(2, 6))
+    layer.load_state_dict(ref.state_dict())
+    assert (layer.calls, layer.seed) == (1, 4)
+    for name in ("weight", "bias"):
+        want = fxp.quantize(getattr(ref, name).detach(), 4, 8)
+        assert torch.equal(getattr(layer, name).detach(), want) and not torch.equal(want, getattr(ref, name).detach())
+    saved = layer.state_dict()  # its own state dict: count and seed come back, the values as they are
+    other = fxp.FixedPointLinear(6, 3, (4, 8), rounding="nearest", seed=9)
+    other.load_state_dict(saved)
+    assert (other.calls, other.seed) == (1, 4) and torch.equal(other.weight, layer.weight)
+    with pytest.raises(RuntimeError, match="Missing key.*bias"):
+        fxp.FixedPointLinear(6, 3, (4, 8)).load_state_dict({"weight": ref.weight})
