@@ -362,8 +362,38 @@ def _sr_inputs():
     return full_p, full_g
 
 
+def _compiled_steps(rank, world):
+    """torch.compile(opt.step) over FSDP2 params (dynamo's eager backend: what is traced, not inductor's code),
+    FP32 and BF16, against the eager step: the params after two steps, or the error. (The step compared a
+    DTensor grad's stride() with its param's, which dynamo could not trace: an AssertionError on every rank.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = []
+        for compiled in (True, False):
+            m = _model().to(dtype)
+            fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+            opt = FusedAdamW(m.parameters(), lr=LR, weight_decay=0.1)
+            step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+            for x, y in _data(rank, world, steps=2):
+                torch.nn.functional.mse_loss(m(x.to(dtype)).float(), y).backward()
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    return {dtype: f"{type(e).__name__}: {e}"}
+                opt.zero_grad()
+            params.append([p.full_tensor().detach() for p in m.parameters()])
+        out[dtype] = all(torch.equal(a, b) for a, b in zip(*params))
+    torch._dynamo.reset()
+    return out
+
+
 def _cases(rank, world):
     out = {"sharding-invariant": _stochastic_and_loading(rank, world), "edge": _edge_cases(rank, world)}
+    if world == 2:
+        out["compiled"] = _compiled_steps(rank, world)
     kinds = ["fsdp2", "ddp", "fsdp1"] + (["hsdp"] if world == 4 else [])
     for kind in kinds:
         for ours in (True, False):
@@ -497,6 +527,14 @@ def test_stochastic_rounding_and_state_loading_do_not_depend_on_sharding(runs):
             assert set(loaded) == {"exp_avg", "exp_avg_sq", "master_param"}
             for k, v in loaded.items():
                 assert torch.equal(v, ref.state[p][k]), (rank, k)
+
+
+def test_a_compiled_step_over_fsdp2_params_equals_the_eager_one(runs):
+    world, results = runs
+    if world != 2:
+        pytest.skip("run on the 2-rank mesh only (one compile per rank and dtype)")
+    for rank, r in enumerate(results):
+        assert r["compiled"] == {torch.float32: True, torch.bfloat16: True}, (rank, r["compiled"])
 
 
 def test_review_edge_cases(runs):

@@ -283,6 +283,10 @@ def _memory_spans(params, gi: int) -> list:
     return out
 
 
+def _same(t):
+    return t
+
+
 def _address(p) -> Optional[tuple]:
     """Where a param's memory starts and how many elements it holds (FusedOptimizer._check_memory_disjoint),
     None where it has none a step could write (a subclass such as DTensor, a sparse or meta tensor: see
@@ -1302,9 +1306,11 @@ class FusedOptimizer(Optimizer):
                     followed = _followed(ps, states, group.get("rounding") == "stochastic")
                     _follow_writes(followed, self._param_versions())
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
-                # goes through a copy in the param's layout.
-                grads = [g if g.stride() == p.stride() or same_layout(g, p) else like(g, p, p.dtype)
-                         for p, g in ((p, p.grad) for p in ps)]
+                # goes through a copy in the param's layout. DTensors: their local shards' layouts, which the
+                # kernels read (and torch.compile's dynamo cannot trace a DTensor's own stride() here).
+                laid = _dist.local if dtensors else _same
+                grads = [g if laid(g).stride() == laid(p).stride() or same_layout(laid(g), laid(p))
+                         else like(g, p, p.dtype) for p, g in ((p, p.grad) for p in ps)]
                 # DTensors: the kernels update the local shards (the same memory as the DTensors)
                 kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
                 sr = [offsets[id(p)] for p in kps] if group.get("rounding") == "stochastic" else None
