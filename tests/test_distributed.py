@@ -329,6 +329,30 @@ def _edge_cases(rank, world):
         torch.equal(plain.state[q][k], w[k]) and torch.equal(rep_opt.state[r][k].to_local(), w[k])
         and plain.state[q][k].dtype == w[k].dtype
         for q, r, w in zip(plain.param_groups[0]["params"], replicated, want) for k in w)
+    # torch's full optimizer state dict of FSDP2 params gathers every entry: the remainders too, which
+    # state_dict() gives as int32 DTensors (an int16 one raised "Invalid scalar type" in gloo's all-gather);
+    # set_optimizer_state_dict takes it back to int16 shards
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    torch.manual_seed(0)
+    bf16 = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3)).to(torch.bfloat16)
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(bf16, mesh=mesh)
+    bopt = FusedAdamW(bf16.parameters(), lr=1e-3, master_weights="remainder")
+    bf16(x.to(torch.bfloat16)).float().square().sum().backward()
+    bopt.step()
+    full = get_optimizer_state_dict(bf16, bopt, options=StateDictOptions(full_state_dict=True))
+    gathered = [full["state"][name]["master_remainder"] for name in sorted(full["state"])]
+    mine = [whole(bopt.state[p]["master_remainder"]) for _, p in sorted(
+        (n, p) for n, p in bf16.named_parameters())]
+    fresh = FusedAdamW(bf16.parameters(), lr=1e-3, master_weights="remainder")
+    bopt.zero_grad()  # (torch makes the fresh optimizer's state with a step of its own only where no param has a grad)
+    set_optimizer_state_dict(bf16, fresh, full, options=StateDictOptions(full_state_dict=True))
+    out["remainder full state dict"] = (
+        all(torch.equal(a.to(torch.int16), b) and a.dtype == torch.int32 for a, b in zip(gathered, mine))
+        and all(fresh.state[p]["master_remainder"].dtype == torch.int16
+                and torch.equal(fresh.state[p]["master_remainder"].to_local(), bopt.state[p]["master_remainder"].to_local())
+                for p in bf16.parameters()))
     # a channels_last DTensor param whose state comes from a plain state dict: the shards take its layout
     full = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
     rows = full.shape[0] // world if world <= full.shape[0] else 0
@@ -548,6 +572,7 @@ def test_review_edge_cases(runs):
             norm, expected = e[("no grads on one rank", told)]
             assert norm == pytest.approx(expected, rel=DIST_NORM_RTOL), (rank, told, norm, expected)
         assert e["remainder loads"], rank
+        assert e["remainder full state dict"], rank
         assert e["channels_last load"], rank
 
 

@@ -598,6 +598,16 @@ def test_remainder_state_dict_keeps_int16_and_switching_to_masters_keeps_the_mas
         bad = copy.deepcopy(sd)
         bad["state"][0]["master_remainder"] = bad["state"][0]["master_remainder"].float()
         FusedAdamW([q], lr=1e-2, master_weights="remainder").load_state_dict(bad)
+    # int32 of int16 values (how a DTensor param's remainder is saved: gloo and NCCL have no int16 collectives)
+    wide = copy.deepcopy(sd)
+    wide["state"][0]["master_remainder"] = wide["state"][0]["master_remainder"].to(torch.int32)
+    third = FusedAdamW([q], lr=1e-2, master_weights="remainder")
+    third.load_state_dict(wide)
+    assert third.state[q]["master_remainder"].dtype == torch.int16
+    assert torch.equal(third.state[q]["master_remainder"], opt.state[p]["master_remainder"])
+    wide["state"][0]["master_remainder"][0, 0] = 2**15
+    with pytest.raises(ValueError, match="int32 tensor with values outside int16's range"):
+        FusedAdamW([q], lr=1e-2, master_weights="remainder").load_state_dict(wide)
     # the group switches to FP32 masters: the master is rebuilt exactly from param and remainder
     opt.param_groups[0]["master_weights"] = True
     st = opt._state_for(opt.param_groups[0], p)

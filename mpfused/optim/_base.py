@@ -1502,6 +1502,33 @@ class FusedOptimizer(Optimizer):
                               [] if all(map(is_, steps, repeat(None))) else steps, **precision)
 
     # ---- state dict ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch's, with one change: a DTensor param's remainder (``master_remainder``, FSDP2) is saved as an
+        int32 DTensor of the same values. torch.distributed.checkpoint's full state dict and resharding gather
+        it, and gloo and NCCL have no int16 collectives ("Invalid scalar type"). A plain param's stays int16;
+        load_state_dict takes either."""
+        sd = super().state_dict()
+        for k, st in list(sd["state"].items()):
+            remainder = st.get("master_remainder") if isinstance(st, dict) else None
+            if remainder is not None and _dist.is_dtensor(remainder):
+                sd["state"][k] = {**st, "master_remainder": remainder.to(torch.int32)}  # (st is the live state)
+        return sd
+
+    @staticmethod
+    def _remainder_bits(value: torch.Tensor) -> torch.Tensor:
+        """A saved remainder: int16, or the int32 of a DTensor param's (state_dict), whose values fit int16 (a
+        plain tensor's are checked; a DTensor's come from state_dict, and checking them would need a
+        collective on every rank)."""
+        if value.dtype == torch.int16:
+            return value
+        if value.dtype != torch.int32:
+            raise ValueError(f"state 'master_remainder' must be an int16 tensor (or int32 of int16 values), got "
+                             f"{value.dtype}")
+        if not _dist.is_dtensor(value) and value.numel() and not (
+                bool(value.min() >= -2**15) and bool(value.max() < 2**15)):
+            raise ValueError("state 'master_remainder' is an int32 tensor with values outside int16's range")
+        return value
+
     def _load_value(self, param: torch.Tensor, key, value):
         if isinstance(value, torch.Tensor) and key != "step" and (_dist.is_dtensor(param) or _dist.is_dtensor(value)):
             return self._load_sharded_value(param, key, value)
@@ -1516,11 +1543,10 @@ class FusedOptimizer(Optimizer):
             return step.to(param.device).reshape(()).clone()
         if key == "master_remainder" and isinstance(value, torch.Tensor):
             # int16 bits, never cast through a float dtype, in the param's memory layout
-            if value.dtype != torch.int16:
-                raise ValueError(f"state 'master_remainder' must be an int16 tensor, got {value.dtype}")
+            value = self._remainder_bits(value)
             if value.shape == param.shape and is_dense(param):
                 return like(value, param, torch.int16)
-            return value.to(device=param.device).contiguous()
+            return value.to(device=param.device, dtype=torch.int16).contiguous()
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             # FP32 state stays FP32 (torch's loader would cast it to an FP16 param's dtype), in the param's
             # memory layout.
@@ -1536,8 +1562,8 @@ class FusedOptimizer(Optimizer):
         A saved DTensor with other placements is redistributed (every rank loads, so every rank joins); a
         plain value of the param's global shape is cut to this rank's shard (no communication)."""
         dtype = torch.int16 if key == "master_remainder" else torch.float32
-        if key == "master_remainder" and value.dtype != torch.int16:
-            raise ValueError(f"state 'master_remainder' must be an int16 tensor, got {value.dtype}")
+        if key == "master_remainder":
+            value = FusedOptimizer._remainder_bits(value)
         if not (value.is_floating_point() or key == "master_remainder"):
             return value
         # the collectives below move int16 (a remainder) as int32: gloo and NCCL have no int16 sums or gathers
