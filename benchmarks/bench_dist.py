@@ -95,6 +95,7 @@ from .harness import (
     make_parser,
     measure_roofs,
     parse_args,
+    positive_int,
     print_header,
     print_table,
     print_text,
@@ -540,7 +541,7 @@ def print_checks(payload: dict) -> bool:
 def main() -> None:
     parser = make_parser(__doc__.splitlines()[0])
     parser.set_defaults(device="cpu")
-    parser.add_argument("--params", type=int, default=None,
+    parser.add_argument("--params", type=positive_int, default=None,
                         help=f"DTensor params in the model (default {DEFAULT_PARAMS}, {QUICK_PARAMS} with --quick)")
     parser.add_argument("--world", type=int, default=DEFAULT_WORLD, help=f"ranks (default {DEFAULT_WORLD})")
     parser.add_argument("--no-scaler", dest="scaler", action="store_false", help="leave out the GradScaler rows")

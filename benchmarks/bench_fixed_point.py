@@ -133,8 +133,8 @@ def matmul_methods(size: int, device: torch.device) -> tuple[list[tuple[str, Any
 
 def main() -> None:
     parser = h.make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--elements", type=int, default=None, help="elements quantized (default 32M, 4M with --quick)")
-    parser.add_argument("--size", type=int, default=None,
+    parser.add_argument("--elements", type=h.positive_int, default=None, help="elements quantized (default 32M, 4M with --quick)")
+    parser.add_argument("--size", type=h.positive_int, default=None,
                         help="M = K = N of the MACC (default 512 on the CPU, 4096 on CUDA; 128 with --quick)")
     args = h.parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 2, "cuda": 5})
     device: torch.device = args.device

@@ -125,9 +125,11 @@ from .harness import (
     make_parser,
     measure_roofs,
     parse_args,
+    positive_int,
     print_header,
     print_table,
     print_text,
+    sizes_or_error,
     time_interleaved,
     warn_if_busy,
     write_json,
@@ -201,7 +203,7 @@ TORCH_LION_FOREACH = "torch foreach Lion (written here)"
 # ---- the param lists ----------------------------------------------------------------------------------
 def parse_count(text: str) -> int:
     """A param count such as 50M, 200M, 1B (= 1G), 2e6 or 1000000."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kKmMgGbB]?)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGbB]?)\s*", text)
     if m is None:
         raise argparse.ArgumentTypeError(f"not a param count: {text!r} (examples: 2M, 50M, 1B)")
     mult = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}[m.group(2).lower()]
@@ -1062,14 +1064,14 @@ def main() -> None:
                         help=f"params in the list, e.g. 50M, 200M, 1B (default {DEFAULT_PARAMS['cpu'] / 1e6:.0f}M on "
                              f"the CPU, {DEFAULT_PARAMS['cuda'] / 1e6:.0f}M on CUDA, {QUICK_PARAMS / 1e6:.0f}M with "
                              "--quick)")
-    parser.add_argument("--tensors", type=int, default=DEFAULT_TENSORS,
+    parser.add_argument("--tensors", type=positive_int, default=DEFAULT_TENSORS,
                         help=f"tensors in the list (default {DEFAULT_TENSORS})")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="sections to run (default: all)")
     args = parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 1, "cuda": 5})
     device: torch.device = args.device
     total = args.params or (QUICK_PARAMS if args.quick else DEFAULT_PARAMS[device.type])
-    sizes = model_like_sizes(args.tensors, total)
+    sizes = sizes_or_error(parser, args.tensors, total, "--tensors/--params")
 
     machine = machine_info(device)
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))

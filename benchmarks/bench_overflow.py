@@ -75,9 +75,11 @@ from .harness import (
     make_parser,
     measure_roofs,
     parse_args,
+    positive_int,
     print_header,
     print_table,
     print_text,
+    sizes_or_error,
     time_interleaved,
     warn_if_busy,
     write_json,
@@ -392,13 +394,13 @@ def print_targets(targets: list[dict[str, Any]], device: torch.device, planned: 
 
 def main() -> None:
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=500, help="tensors in the list (default 500)")
-    parser.add_argument("--elements", type=int, default=None,
+    parser.add_argument("--tensors", type=positive_int, default=500, help="tensors in the list (default 500)")
+    parser.add_argument("--elements", type=positive_int, default=None,
                         help="elements in the list (default 100M, or 5M with --quick)")
     args = parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 1, "cuda": 5})
     device: torch.device = args.device
     elements = args.elements or (5_000_000 if args.quick else 100_000_000)
-    sizes = model_like_sizes(args.tensors, elements)
+    sizes = sizes_or_error(parser, args.tensors, elements, "--tensors/--elements")
     limits = overflow_limits(device.type)
     planned = overflow_planned_launches(sizes, device.type)
 

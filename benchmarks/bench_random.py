@@ -40,6 +40,7 @@ from .harness import (
     make_parser,
     measure_roofs,
     parse_args,
+    positive_int,
     print_header,
     print_table,
     print_text,
@@ -75,7 +76,7 @@ def check_agreement(x: torch.Tensor, dtype: torch.dtype) -> None:
 
 def main() -> None:
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--elements", type=int, default=None, help="elements (default 64M, or 4M with --quick)")
+    parser.add_argument("--elements", type=positive_int, default=None, help="elements (default 64M, or 4M with --quick)")
     args = parse_args(parser, repeats={"cpu": 10, "cuda": 50}, warmup={"cpu": 1, "cuda": 5})
     device: torch.device = args.device
     n = args.elements or ((1 << 22) if args.quick else (1 << 26))

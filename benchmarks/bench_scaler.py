@@ -128,9 +128,11 @@ from .harness import (
     make_parser,
     measure_roofs,
     parse_args,
+    positive_int,
     print_header,
     print_table,
     print_text,
+    sizes_or_error,
     warn_if_busy,
     write_json,
 )
@@ -411,7 +413,7 @@ def main() -> None:
                         help=f"params in the list, e.g. 20M, 200M, 1B (default {DEFAULT_PARAMS['cpu'] / 1e6:.0f}M on "
                              f"the CPU, {DEFAULT_PARAMS['cuda'] / 1e6:.0f}M on CUDA, {QUICK_PARAMS / 1e6:.0f}M with "
                              "--quick)")
-    parser.add_argument("--tensors", type=int, default=None,
+    parser.add_argument("--tensors", type=positive_int, default=None,
                         help=f"tensors in the list (default {DEFAULT_TENSORS}, {QUICK_TENSORS} with --quick)")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES),
                         help="model dtypes to run (default: all)")
@@ -419,7 +421,7 @@ def main() -> None:
     device: torch.device = args.device
     total = args.params or (QUICK_PARAMS if args.quick else DEFAULT_PARAMS[device.type])
     tensors = args.tensors or (QUICK_TENSORS if args.quick else DEFAULT_TENSORS)
-    sizes = model_like_sizes(tensors, total)
+    sizes = sizes_or_error(parser, tensors, total, "--tensors/--params")
 
     machine = machine_info(device)
     roofs = measure_roofs(device, warmup=max(1, args.warmup), repeats=max(5, args.repeats))

@@ -542,6 +542,43 @@ def write_json(path: Path, machine: dict[str, Any], roofs: Roofs, results: Seque
 
 
 # ---- command line -------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (sizes, counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def check_json_path(parser: argparse.ArgumentParser, text: str) -> None:
+    """--json PATH, checked before anything is measured (a bad path once failed after the whole run, its
+    results lost): not a directory, and its nearest existing parent a writable directory."""
+    path = Path(text)
+    if path.is_dir():
+        parser.error(f"--json {text}: is a directory; give a file path")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        parser.error(f"--json {text}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        parser.error(f"--json {text}: cannot write in {parent}")
+
+
+def sizes_or_error(parser: argparse.ArgumentParser, tensors: int, total: int, options: str) -> list[int]:
+    """bench_overflow.model_like_sizes(tensors, total), or an argparse error naming ``options`` where the
+    two do not make a list (fewer than 3 tensors, too few elements for them), before anything is measured."""
+    from .bench_overflow import model_like_sizes
+
+    try:
+        return model_like_sizes(tensors, total)
+    except ValueError as e:
+        parser.error(f"{options}: {e}")
+
+
 def make_parser(description: str) -> argparse.ArgumentParser:
     """The options every benchmark shares. ``--repeats`` and ``--warmup`` default to None so that the
     script can choose per device (see :func:`parse_args`)."""
@@ -579,5 +616,9 @@ def parse_args(parser: argparse.ArgumentParser, *, repeats: dict[str, int], warm
         args.warmup = warmup[args.device.type]
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if not args.max_seconds > 0:
+        parser.error(f"--max-seconds must be > 0, got {args.max_seconds}")
+    if args.json:
+        check_json_path(parser, args.json)
     return args
 

@@ -1,14 +1,17 @@
 """benchmarks/harness.py's timing loop: the order of the calls in each round, and the cache flush before
 each timed call. The numbers the benchmarks report depend on what ran just before each call (a GPU
 kernel of tens of µs pays for the dirty lines its predecessor left in L2), so the order is part of what
-they measure."""
+they measure. And the command line: bad sizes and paths refused before anything is measured."""
 
+import argparse
 import time
 from collections import Counter
 
+import pytest
 import torch
 
 from benchmarks import harness as h
+from benchmarks.bench_optim import parse_count
 
 CPU = torch.device("cpu")
 
@@ -111,3 +114,39 @@ def test_the_cpu_last_level_is_counted_once_per_instance(tmp_path):
         cache(cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3")
     assert h.last_level_cache_bytes(CPU, sysfs=tmp_path) == 64 * 2**20
     assert h.last_level_cache_bytes(CPU, sysfs=tmp_path / "absent") == 0
+
+
+def _parser():
+    return h.make_parser("test")
+
+
+def _fails(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        h.parse_args(_parser(), repeats={"cpu": 1, "cuda": 1}, warmup={"cpu": 0, "cuda": 0}, argv=argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err, err
+
+
+def test_bad_arguments_are_refused_before_anything_is_measured(capsys, tmp_path):
+    # a --json path that cannot be written once failed after the whole run, its results lost
+    _fails(capsys, ["--device", "cpu", "--json", str(tmp_path)], "is a directory")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    _fails(capsys, ["--device", "cpu", "--json", str(blocker / "out.json")], "is not a directory")
+    _fails(capsys, ["--device", "cpu", "--max-seconds", "0"], "--max-seconds must be > 0")
+    args = h.parse_args(_parser(), repeats={"cpu": 1, "cuda": 1}, warmup={"cpu": 0, "cuda": 0},
+                        argv=["--device", "cpu", "--json", str(tmp_path / "new" / "out.json")])
+    assert args.json.endswith("out.json")  # a parent yet to be made is fine (write_json makes it)
+
+
+def test_sizes_are_positive_and_make_a_list(capsys):
+    assert h.positive_int("7") == 7 and parse_count("2E6") == parse_count("2e6") == 2_000_000
+    for bad in ("0", "-5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            h.positive_int(bad)
+    assert len(h.sizes_or_error(_parser(), 5, 100_000, "--tensors")) == 5
+    for tensors, total, match in ((2, 10**6, "need at least 3 tensors"), (1000, 2000, "too few")):
+        with pytest.raises(SystemExit):
+            h.sizes_or_error(_parser(), tensors, total, "--tensors/--params")
+        assert match in capsys.readouterr().err
