@@ -103,10 +103,13 @@ test-integrations: build
 demo: build
 	PYTHONPATH=. $(VPY) examples/demo.py
 
-# benchmarks/ is a package run from the repository root, which puts the in-place build on the path.
+# benchmarks/ is a package run from the repository root, which puts the in-place build on the path. Each
+# writes its JSON under benchmarks/results/ (<name>_cpu_<CPU path>.json, <name>_cuda_<GPU>.json);
+# BENCH_ARGS is passed to every one (e.g. BENCH_ARGS=--quick).
 BENCHMARKS := $(basename $(notdir $(wildcard benchmarks/bench_*.py)))
+BENCH_ARGS ?=
 bench: build
-	for b in $(BENCHMARKS); do $(VPY) -m benchmarks.$$b || exit 1; done
+	for b in $(BENCHMARKS); do $(VPY) -m benchmarks.$$b --json $(BENCH_ARGS) || exit 1; done
 
 # ---- CUDA checks that need no GPU -----------------------------------------------------------------
 # The archs, passed every time (a build directory's cache would keep an older default); 90a: compute capability

@@ -125,9 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=400, help="training steps per mode (default 400)")
     parser.add_argument("--quick", action="store_true", help="20 steps: a smoke run")
     args = parser.parse_args(argv)
+    if args.quick and args.steps != parser.get_default("steps"):
+        parser.error("--quick runs 20 steps: give --quick or --steps, not both")
     steps = 20 if args.quick else args.steps
     if steps < 1:
         parser.error("--steps must be >= 1")
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: {e.strerror or e}")
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     start = time.perf_counter()
     batches = data(steps)

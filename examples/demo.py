@@ -642,6 +642,10 @@ def main(argv=None):
     p.add_argument("--out", default="demo_out", help="folder for demo.json and demo.png (default: ./demo_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -204,6 +204,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error("--threads must be at least 1")
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
     before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

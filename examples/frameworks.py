@@ -20,6 +20,7 @@ framework (``make test-integrations`` installs the tested versions). ``--device 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 import torch
@@ -148,6 +149,9 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device on this machine")
+    if importlib.util.find_spec(args.framework) is None:
+        p.error(f"{args.framework} is not installed (make test-integrations installs the tested version, or: pip "
+                f"install {args.framework})")
     return args
 
 

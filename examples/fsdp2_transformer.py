@@ -300,6 +300,10 @@ def run_in(args, rank: int, world: int, device: torch.device, mesh) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:  # (torch's own error: "environment variable RANK expected, but not set")
+        sys.exit(f"run this with torchrun (e.g. torchrun --nproc-per-node 2 examples/fsdp2_transformer.py): "
+                 f"{', '.join(missing)} not set")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

@@ -175,6 +175,10 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device on this machine")
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
     return args
 
 

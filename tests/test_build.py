@@ -1,5 +1,6 @@
 """What the extension reports about its build, and the guard against a torch ABI mismatch."""
 
+import json
 import re
 import subprocess
 import sys
@@ -34,6 +35,12 @@ def test_build_info_reports_what_was_compiled():
 def test_python_dash_m_prints_build_info():
     out = subprocess.run([sys.executable, "-m", "mpfused"], capture_output=True, text=True, check=True).stdout
     assert "torch_version" in out and torch.__version__ in out and "openmp" in out
+    # --json: the same as one object; an unknown argument is refused (every argument was ignored)
+    out = subprocess.run([sys.executable, "-m", "mpfused", "--json"], capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert info["torch (running)"] == torch.__version__ and info["openmp"] == mpfused.build_info()["openmp"]
+    r = subprocess.run([sys.executable, "-m", "mpfused", "--bogus"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
 
 
 def test_import_loads_no_compiler_stack():

@@ -38,3 +38,13 @@ def test_every_mode_trains(run):
     for name, r in results.items():
         assert len(r["losses"]) == 20 and all(math.isfinite(x) for x in r["losses"]), name
         assert r["losses"][-1] < r["losses"][0], name
+
+
+def test_bad_arguments_are_refused_before_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for argv, match in ((["--out", str(blocker / "sub")], "--out"),
+                        (["--quick", "--steps", "7", "--out", str(tmp_path)], "--quick runs 20 steps")):
+        with pytest.raises(SystemExit) as e:
+            example.main(argv)
+        assert e.value.code == 2 and match in capsys.readouterr().err

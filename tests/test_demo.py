@@ -121,3 +121,11 @@ def test_fixed_point_panel(run):
 def test_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         demo.main(["--steps", "1", "--out", str(tmp_path)])
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--quick", "--no-progress", "--out", str(blocker / "sub")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err

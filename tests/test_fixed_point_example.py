@@ -51,6 +51,12 @@ def test_update_ratios(run):
     assert fracs == sorted(fracs, reverse=True)  # finer grids lose fewer updates
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.main(["--threads", "0", "--out", str(tmp_path)])
+    # an --out that cannot be a folder: refused before the training (it once failed after it, the run lost)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        example.main(["--out", str(blocker / "sub")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err

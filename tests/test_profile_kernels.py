@@ -74,3 +74,11 @@ def test_the_command_line_summarizes_and_fails_on_a_missing_profile(tmp_path, ca
     assert rows[1] == {"workload": "never-written", "error": "ncu wrote no file"}
     with pytest.raises(SystemExit):
         pk.main(["run", "no-such-workload"])
+
+
+def test_the_list_says_why_each_workload_cannot_run_here(capsys, monkeypatch):
+    # every workload runs on CUDA: without a device each row says so (the rows once read "can run" there)
+    monkeypatch.setattr(pk.torch.cuda, "is_available", lambda: False)
+    assert pk.main(["list"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows] == list(pk.WORKLOADS) and all(r[3] == "no CUDA device" for r in rows)
