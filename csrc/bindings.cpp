@@ -219,20 +219,26 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
 // left (each step moves a param's counter, csrc/torch/optim.cpp, by a count that views of one buffer in
 // several groups make larger than one), and a param written from outside the step, whose master must
 // follow the write, then sends the step down the full path (see _follow_writes). Empty bytes for a list
-// that does not match.
-pybind11::bytes step_versions(const pybind11::list& params, const pybind11::list& masters, const pybind11::list& remainders) {
+// that does not match. With `memory` (DTensor params: their local shards, one per param), the counters are
+// the params' own (a write through a DTensor moves the DTensor's counter, not its shard's: the shard is
+// written below autograd) and the memory the shards'.
+pybind11::bytes step_versions(const pybind11::list& params, const pybind11::list& masters, const pybind11::list& remainders,
+                              const std::optional<pybind11::list>& memory) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   if (PyList_GET_SIZE(masters.ptr()) != n || PyList_GET_SIZE(remainders.ptr()) != n) return pybind11::bytes();
+  if (memory && PyList_GET_SIZE(memory->ptr()) != n) return pybind11::bytes();
   std::vector<int64_t> out;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (PyList_GET_ITEM(masters.ptr(), i) == Py_None && PyList_GET_ITEM(remainders.ptr(), i) == Py_None) continue;
     PyObject* const po = PyList_GET_ITEM(params.ptr(), i);
-    if (!plain_tensor(po)) return pybind11::bytes();
+    PyObject* const mo = memory ? PyList_GET_ITEM(memory->ptr(), i) : po;
+    if (!(memory ? THPVariable_Check(po) : plain_tensor(po)) || !plain_tensor(mo)) return pybind11::bytes();
     const at::Tensor& p = THPVariable_Unpack(po);
-    if (p.is_inference()) return pybind11::bytes();
+    const at::Tensor& m = THPVariable_Unpack(mo);
+    if (p.is_inference() || m.is_inference()) return pybind11::bytes();
     out.push_back(static_cast<int64_t>(p.unsafeGetTensorImpl()->version_counter().current_version()));
     // and its memory: after a swap_tensors or a `p.data = t` the counter is another tensor's, of any count
-    out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.data_ptr())));
+    out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(m.data_ptr())));
   }
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
@@ -565,6 +571,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "None unless each grad and state entry goes with its param in an optimizer step; else the params' "
         "layouts as bytes.");
   m.def("step_versions", &step_versions, pybind11::arg("params"), pybind11::arg("masters"), pybind11::arg("remainders"),
+        pybind11::arg("memory") = pybind11::none(),
         "The version counters of the params with a master or a remainder, as bytes (empty where the lists do not match).");
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");

@@ -353,6 +353,30 @@ def _edge_cases(rank, world):
         and all(fresh.state[p]["master_remainder"].dtype == torch.int16
                 and torch.equal(fresh.state[p]["master_remainder"].to_local(), bopt.state[p]["master_remainder"].to_local())
                 for p in bf16.parameters()))
+    # a write through DTensor params that keep FP32 masters (a model state dict loaded after the first step,
+    # as DCP's get_state_dict then set_model_state_dict do): the masters follow it, on the planned path and
+    # the full one (the step once recomputed from the stale masters and undid the load, in silence: a write
+    # through a DTensor moves the DTensor's version counter, not its shard's)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    follows = []
+    for planned in (True, False):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(6, 4).to(torch.bfloat16)
+        fully_shard(lin, mesh=mesh)
+        lopt = FusedAdamW(lin.parameters(), lr=1e-6)
+        for k in range(3):
+            if k == 1:
+                set_model_state_dict(lin, {"weight": torch.full((4, 6), 3.0, dtype=torch.bfloat16),
+                                           "bias": torch.full((4,), -2.0, dtype=torch.bfloat16)},
+                                     options=StateDictOptions(full_state_dict=True))
+            if not planned:
+                lopt.__dict__["_mpf_plan"] = None
+            lin(x.to(torch.bfloat16)).float().sum().backward()
+            lopt.step()
+            lopt.zero_grad()
+        follows.append(torch.equal(lin.weight.full_tensor(), torch.full((4, 6), 3.0, dtype=torch.bfloat16))
+                       and torch.equal(lin.bias.full_tensor(), torch.full((4,), -2.0, dtype=torch.bfloat16)))
+    out["dtensor writes followed"] = follows
     # a channels_last DTensor param whose state comes from a plain state dict: the shards take its layout
     full = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
     rows = full.shape[0] // world if world <= full.shape[0] else 0
@@ -573,6 +597,7 @@ def test_review_edge_cases(runs):
             assert norm == pytest.approx(expected, rel=DIST_NORM_RTOL), (rank, told, norm, expected)
         assert e["remainder loads"], rank
         assert e["remainder full state dict"], rank
+        assert e["dtensor writes followed"] == [True, True], rank
         assert e["channels_last load"], rank
 
 

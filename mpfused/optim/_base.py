@@ -414,19 +414,21 @@ def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
     return _ops._C.step_layout(params, grads, entries[:-2], entries[-2], entries[-1])
 
 
-def _step_versions(params: list, entries: list) -> bytes:
+def _step_versions(params: list, entries: list, memory: Optional[list] = None) -> bytes:
     """_C.step_versions: the version counters and data pointers of the plain params with a master or a
     remainder (the entries' last two lists before the step counters): a write from outside the step moves
-    one, and the step then takes the full path, which makes the masters follow it (_follow_writes)."""
-    return _ops._C.step_versions(params, entries[-3], entries[-2])
+    one, and the step then takes the full path, which makes the masters follow it (_follow_writes).
+    DTensor params: ``memory`` holds their local shards (the counters are the DTensors', the memory the
+    shards')."""
+    return _ops._C.step_versions(params, entries[-3], entries[-2], memory)
 
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
-    """(param, master, remainder, stochastic) of the plain params among ``params`` that keep an FP32 master
-    or a BF16 remainder (see _follow_writes)."""
+    """(param, master, remainder, stochastic) of the plain and DTensor params among ``params`` that keep an
+    FP32 master or a BF16 remainder (see _follow_writes; a DTensor's ``states`` hold its shards)."""
     out = []
     for p, st in zip(params, states):
-        if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter):
+        if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter or _dist.is_dtensor(p)):
             master, remainder = st.get("master_param"), st.get("master_remainder")
             if master is not None or remainder is not None:
                 out.append((p, master, remainder, stochastic))
@@ -443,8 +445,9 @@ def _seen_key(master, remainder) -> torch.Tensor:
 
 def _seen_value(p: torch.Tensor) -> tuple:
     """A param's version counter and its memory: a swap_tensors or a ``p.data = ...`` gives it another
-    TensorImpl or storage, whose counter may hold any count."""
-    return p._version, p.data_ptr()
+    TensorImpl or storage, whose counter may hold any count. A DTensor: its own counter (a write through it
+    moves that one, not its shard's) and its shard's memory."""
+    return p._version, _dist.local(p).data_ptr()
 
 
 def _follow_writes(followed: tuple, seen) -> None:
@@ -463,8 +466,8 @@ def _follow_writes(followed: tuple, seen) -> None:
     low bits. With stochastic rounding a write that lands on one of the master's two neighbours (a clamp_
     to a bound less than a step below the master) looks like the step's own rounding and is not followed.
     Not seen: in-place writes through ``.data`` (a tensor with a version counter of its own; an assignment
-    ``p.data = t`` is seen, by the param's memory), and DTensor and other
-    subclass params (FSDP's flat params).
+    ``p.data = t`` is seen, by the param's memory), and subclass params other than DTensors (FSDP1's flat
+    params). A DTensor (FSDP2) is followed by its local shard, which a write through the DTensor changes.
 
     A BF16 remainder: the param's bits are the master's high half, so a written value stands, with the old
     low bits (less than half a step of BF16) below it; except where those would make the master a NaN: a
@@ -480,7 +483,7 @@ def _follow_writes(followed: tuple, seen) -> None:
             continue
         seen[key] = v
         with torch.no_grad():
-            q = p.detach()
+            q = _dist.local(p).detach()
             cpu = q.device.type == "cpu"
             if remainder is not None:
                 nan = ((q == 0) & (remainder < 0)) | (torch.isinf(q) & (remainder > 0))
@@ -588,7 +591,7 @@ class _StepPlan:
             layout = _step_layout(lps, lgs, layout_entries)
             if layout is None:
                 return None
-            versions = None if dtensors else _step_versions(lps, layout_entries)
+            versions = _step_versions(ps, layout_entries, lps) if dtensors else _step_versions(lps, layout_entries)
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
             # (the offsets are keyed by the tensor the kernel call sees: a DTensor's local shard)
             sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in lps]
@@ -661,7 +664,8 @@ class _StepPlan:
                 return None  # an entry replaced, deleted or set to None: the full path mends it
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
             if _step_layout(lps, lgs, gp.layout_entries) != gp.layout or (
-                    gp.versions is not None and _step_versions(lps, gp.layout_entries) != gp.versions):
+                    gp.versions is not None and _step_versions(kps, gp.layout_entries, lps if lps is not kps else None)
+                    != gp.versions):
                 return None
             calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
@@ -1302,8 +1306,9 @@ class FusedOptimizer(Optimizer):
             for device, ps in buckets.items():
                 states = [self._state_for(group, p) for p in ps]
                 followed = ()
-                if not dtensors and not compiling:
-                    followed = _followed(ps, states, group.get("rounding") == "stochastic")
+                if not compiling:  # (DTensors: with their states' local shards)
+                    followed = _followed(ps, self._local_views([], [], states)[2] if dtensors else states,
+                                         group.get("rounding") == "stochastic")
                     _follow_writes(followed, self._param_versions())
                 # A grad laid out unlike its param (rare: autograd gives a dense param's grad its layout)
                 # goes through a copy in the param's layout. DTensors: their local shards' layouts, which the
@@ -1343,7 +1348,10 @@ class FusedOptimizer(Optimizer):
             if gp.versions is None or not gp.versions or gp.call is None:
                 continue
             written = list(gp.params if gp.mask is None else compress(gp.params, gp.mask))
-            if not all(map(is_plain_tensor, written)) or _step_versions(written, gp.layout_entries) != gp.versions:
+            memory = [_dist.local(p) for p in written] if gp.local_entries is not None else None
+            if memory is None and not all(map(is_plain_tensor, written)):
+                continue
+            if _step_versions(written, gp.layout_entries, memory) != gp.versions:
                 continue
             seen = self._param_versions() if seen is None else seen
             for p, master, remainder in zip(written, gp.layout_entries[-3], gp.layout_entries[-2]):
@@ -1407,9 +1415,9 @@ class FusedOptimizer(Optimizer):
             raise
         # The counters the step's own writes left (counted by the operator), once every group is written:
         # views of one buffer in several groups share a counter, which each group's call moves
-        for _, gp, kps, *_ in calls:
+        for _, gp, kps, local_ps, *_ in calls:
             if gp.versions is not None and kps:
-                gp.versions = _step_versions(kps, gp.layout_entries)
+                gp.versions = _step_versions(kps, gp.layout_entries, local_ps)
         return True
 
     @staticmethod
