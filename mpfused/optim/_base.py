@@ -1511,27 +1511,30 @@ class FusedOptimizer(Optimizer):
 
     # ---- state dict ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch's, with one change: a DTensor param's remainder (``master_remainder``, FSDP2) is saved as an
-        int32 DTensor of the same values. torch.distributed.checkpoint's full state dict and resharding gather
-        it, and gloo and NCCL have no int16 collectives ("Invalid scalar type"). A plain param's stays int16;
-        load_state_dict takes either."""
+        """torch's, with one change: a DTensor param's remainder (``master_remainder``, FSDP2) appears as a
+        bfloat16 view of its int16 bits (the same memory, no copy: an in-place load such as DCP's restores
+        it). torch.distributed.checkpoint's full state dict and resharding gather it, and gloo and NCCL have
+        no int16 collectives ("Invalid scalar type"); a collective moves a view's bits as they are. A plain
+        param's stays int16; load_state_dict takes either, and int32 of int16 values."""
         sd = super().state_dict()
         for k, st in list(sd["state"].items()):
             remainder = st.get("master_remainder") if isinstance(st, dict) else None
-            if remainder is not None and _dist.is_dtensor(remainder):
-                sd["state"][k] = {**st, "master_remainder": remainder.to(torch.int32)}  # (st is the live state)
+            if remainder is not None and _dist.is_dtensor(remainder) and remainder.dtype == torch.int16:
+                sd["state"][k] = {**st, "master_remainder": remainder.view(torch.bfloat16)}  # (st is the live state)
         return sd
 
     @staticmethod
     def _remainder_bits(value: torch.Tensor) -> torch.Tensor:
-        """A saved remainder: int16, or the int32 of a DTensor param's (state_dict), whose values fit int16 (a
-        plain tensor's are checked; a DTensor's come from state_dict, and checking them would need a
-        collective on every rank)."""
+        """A saved remainder as int16 bits: int16; the bfloat16 view of them a DTensor param's state_dict()
+        gives (viewed back, never converted); or int32 of int16 values (a plain tensor's are checked; a
+        DTensor's would need a collective on every rank)."""
         if value.dtype == torch.int16:
             return value
+        if value.dtype == torch.bfloat16:
+            return value.view(torch.int16)
         if value.dtype != torch.int32:
-            raise ValueError(f"state 'master_remainder' must be an int16 tensor (or int32 of int16 values), got "
-                             f"{value.dtype}")
+            raise ValueError(f"state 'master_remainder' must be an int16 tensor (or its bfloat16 view, or int32 of "
+                             f"int16 values), got {value.dtype}")
         if not _dist.is_dtensor(value) and value.numel() and not (
                 bool(value.min() >= -2**15) and bool(value.max() < 2**15)):
             raise ValueError("state 'master_remainder' is an int32 tensor with values outside int16's range")
