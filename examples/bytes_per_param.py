@@ -122,12 +122,12 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (default demo_out/)")
-    parser.add_argument("--steps", type=int, default=400, help="training steps per mode (default 400)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per mode (default 400)")
     parser.add_argument("--quick", action="store_true", help="20 steps: a smoke run")
     args = parser.parse_args(argv)
-    if args.quick and args.steps != parser.get_default("steps"):
+    if args.quick and args.steps is not None:
         parser.error("--quick runs 20 steps: give --quick or --steps, not both")
-    steps = 20 if args.quick else args.steps
+    steps = 20 if args.quick else 400 if args.steps is None else args.steps
     if steps < 1:
         parser.error("--steps must be >= 1")
     try:  # the output folder now, not after the training (a bad --out lost it)

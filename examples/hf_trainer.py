@@ -175,10 +175,6 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device on this machine")
-    try:  # the output folder now, not after the training (a bad --out lost it)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out}: {e.strerror or e}")
     return args
 
 
@@ -186,6 +182,10 @@ def main(argv=None) -> dict:
     args = parse(argv)
     hf_logging.disable_progress_bar()  # the checkpoint writer's bars; the logs are printed below
     out = Path(args.out)
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"hf_trainer.py: --out {args.out}: {e.strerror or e}")
     unbroken = run(args, out / "unbroken", None)
     checkpoint = out / "unbroken" / f"checkpoint-{args.save_steps}"
     resumed = run(args, out / "resumed", checkpoint)

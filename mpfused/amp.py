@@ -389,7 +389,7 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     # (torch's SGD trains them), and is an error where they are, as is a fused optimizer over them.
     sparse = {id(p): f"{mname}.{pname}" if mname else pname for mname, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-              for pname, p in m._parameters.items() if p is not None}
+              for pname, p in m._parameters.items() if p is not None and p.requires_grad}  # (a frozen one has no grad)
     keep = set()
     for k, opt in enumerate(optimizers):
         where = f"optimizer {k}" if container not in (None, "single") else "optimizer"

@@ -360,11 +360,17 @@ class FixedPointLinear(nn.Module):
             return
         if key in missing_keys:
             missing_keys.remove(key)
+        assign = local_metadata.get("assign_to_params_buffers", False)
         with torch.no_grad():
             for name in ("weight", "bias"):
                 t = getattr(self, name)
-                if prefix + name in state_dict and t is not None and not t.is_meta:
-                    t.copy_(quantize(t, self.fmt.il, self.fmt.fl))
+                if prefix + name not in state_dict or t is None or t.is_meta:
+                    continue
+                on_grid = quantize(t, self.fmt.il, self.fmt.fl)
+                if assign:  # the Parameter is the caller's tensor now: rounded into a new one, the caller's kept
+                    setattr(self, name, nn.Parameter(on_grid, requires_grad=t.requires_grad))
+                else:
+                    t.copy_(on_grid)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "

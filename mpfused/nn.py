@@ -201,6 +201,8 @@ def _convertible(module: nn.Module) -> bool:
         return False
     if params["bias"] is not None and not isinstance(params["bias"], nn.Parameter):
         return False
+    if "forward" in module.__dict__:  # a forward set on the instance (accelerate's add_hook_to_module)
+        return False
     return not any(getattr(module, name, None) for name in _MODULE_HOOKS)
 
 
@@ -228,8 +230,8 @@ def convert_linear(model: nn.Module) -> nn.Module:
     parametrized or quantized linears, ``MultiheadAttention``'s ``out_proj``) may rely on their own
     ``forward`` or type and are left alone. So is an ``nn.Linear`` with hooks of its own (forward, backward
     or state-dict hooks: ``weight_norm`` and ``spectral_norm`` recompute its weight in one) or whose weight
-    or bias is not a registered Parameter: a replacement would drop what they do. When ``model`` is such a
-    module, it is returned unchanged.
+    or bias is not a registered Parameter, or whose ``forward`` was replaced on the instance: a replacement
+    would drop what they do. When ``model`` is such a module, it is returned unchanged.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -583,6 +583,11 @@ def test_an_optimizer_over_a_sparse_embedding(device):
         scaler.step(out)
         scaler.update()
         assert (model[0].weight != before).any(1).nonzero().flatten().tolist() == [1, 2], level
+    # a frozen sparse embedding has no grad: nothing to refuse
+    model, _ = model_and_sgd()
+    model[0].weight.requires_grad_(False)
+    model, out, _ = amp.initialize(model, FusedSGD(model.parameters(), lr=0.5), "O2", dtype=torch.bfloat16)
+    assert isinstance(out, FusedSGD)
     for make, level in ((lambda m: torch.optim.SGD(m.parameters(), lr=0.5), "O2"),
                         (lambda m: FusedSGD(m.parameters(), lr=0.5), "O1")):
         model, _ = model_and_sgd()

@@ -380,6 +380,23 @@ def _edge_cases(rank, world):
         follows.append(torch.equal(lin.weight.full_tensor(), torch.full((4, 6), 3.0, dtype=torch.bfloat16))
                        and torch.equal(lin.bias.full_tensor(), torch.full((4,), -2.0, dtype=torch.bfloat16)))
     out["dtensor writes followed"] = follows
+    # a state entry set over another's memory on FSDP2 params: named on every rank before anything is written
+    # (the overlap check compares the local shards: a DTensor's own data pointer is 0)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4)
+    fully_shard(lin, mesh=mesh)
+    aopt = FusedAdamW(lin.parameters(), lr=1e-3)
+    lin(x).sum().backward()
+    aopt.step()
+    st = aopt.state[lin.weight]
+    st["exp_avg"] = st["exp_avg_sq"]
+    before = lin.weight.full_tensor().clone()
+    lin(x).sum().backward()
+    try:
+        aopt.step()
+        out["dtensor state overlap"] = "no error"
+    except ValueError as e:
+        out["dtensor state overlap"] = ("are over the same memory" in str(e), torch.equal(before, lin.weight.full_tensor()))
     # a channels_last DTensor param whose state comes from a plain state dict: the shards take its layout
     full = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
     rows = full.shape[0] // world if world <= full.shape[0] else 0
@@ -601,6 +618,7 @@ def test_review_edge_cases(runs):
         assert e["remainder loads"], rank
         assert e["remainder full state dict"], rank
         assert e["dtensor writes followed"] == [True, True], rank
+        assert e["dtensor state overlap"] == (True, True), rank
         assert e["channels_last load"], rank
 
 

@@ -869,3 +869,11 @@ def test_linear_loads_an_nn_linear_state_dict_onto_its_grid():
     assert (other.calls, other.seed) == (1, 4) and torch.equal(other.weight, layer.weight)
     with pytest.raises(RuntimeError, match="Missing key.*bias"):
         fxp.FixedPointLinear(6, 3, (4, 8)).load_state_dict({"weight": ref.weight})
+    # assign=True: the layer's Parameters would be the caller's tensors; they are rounded into new ones
+    source = {k: v.clone() for k, v in ref.state_dict().items()}
+    kept = {k: v.clone() for k, v in source.items()}
+    assigned = fxp.FixedPointLinear(6, 3, (4, 8), rounding="nearest")
+    assigned.load_state_dict(source, assign=True)
+    assert all(torch.equal(source[k], kept[k]) for k in source)
+    assert torch.equal(assigned.weight.detach(), fxp.quantize(kept["weight"], 4, 8))
+    assert isinstance(assigned.weight, torch.nn.Parameter) and assigned.weight.requires_grad

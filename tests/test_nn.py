@@ -446,13 +446,17 @@ def test_convert_linear_leaves_hooked_and_reparametrized_linears_alone(device):
         warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates weight_norm for parametrizations)
         normed = nn.utils.weight_norm(nn.Linear(8, 8, device=device))
     spectral = nn.utils.spectral_norm(nn.Linear(8, 8, device=device))
-    model = nn.Sequential(nn.Linear(8, 8, device=device), normed, spectral, hooked, nn.Linear(8, 2, device=device))
+    wrapped = nn.Linear(8, 8, device=device)  # a forward replaced on the instance (as accelerate's hooks do)
+    plain_forward = wrapped.forward
+    wrapped.forward = lambda x: plain_forward(x) * 0.5
+    model = nn.Sequential(nn.Linear(8, 8, device=device), normed, spectral, hooked, wrapped,
+                          nn.Linear(8, 2, device=device))
     model.eval()  # (spectral_norm's power iteration then stays put: the same weight in both calls)
     x = torch.randn(3, 8, device=device)
     expected = model(x)  # (deepcopy refuses a weight_norm module)
     assert convert_linear(model) is model
-    assert [type(m) for m in model] == [FusedLinear, nn.Linear, nn.Linear, nn.Linear, FusedLinear]
-    assert model[1] is normed and model[2] is spectral and model[3] is hooked
+    assert [type(m) for m in model] == [FusedLinear, nn.Linear, nn.Linear, nn.Linear, nn.Linear, FusedLinear]
+    assert model[1] is normed and model[2] is spectral and model[3] is hooked and model[4] is wrapped
     assert torch.equal(model(x), expected) and seen == [(3, 8), (3, 8)]
     assert convert_linear(hooked) is hooked and convert_linear(normed) is normed
 

@@ -787,3 +787,7 @@ def test_meta_tensors_that_hold_no_value_are_named_before_anything_is_written():
             with pytest.raises(ValueError, match=f"StepScaling.{key} {what}"):
                 lamb.step(scaling=StepScaling(**{key: bad}))
     assert torch.equal(p, torch.ones(3)) and not lamb.state.get(p)
+    # all on meta: the scale is taken as it is, as the other optimizers take it (shapes only)
+    m = torch.nn.Parameter(torch.ones(3, device="meta"))
+    m.grad = torch.ones(3, device="meta")
+    FusedLAMB([m]).step(scaling=StepScaling(inv_scale=meta))

@@ -271,6 +271,20 @@ def test_sgd_momentum_turned_on_mid_run_keeps_the_stochastic_stream_counting(dty
             assert torch.equal(opt.state[p]["momentum_buffer"], update)
         want = sr_reference(before - 0.01 * update, words_of(77, 0, p.numel(), step), dtype)
         assert torch.equal(bits(p), want), step
+    # with dampening, a buffer started from zeros would take (1 - dampening) * grad where torch's first buffer
+    # is the grad: refused before anything is written (it once went on with the other rule, in silence)
+    q = torch.nn.Parameter(torch.randn(10).to(dtype))
+    opt = FusedSGD([q], lr=0.01, momentum=0.0, dampening=0.5, master_weights=False, rounding="stochastic", seed=1)
+    q.grad = torch.ones_like(q)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9
+    before = bits(q).clone()
+    with pytest.raises(ValueError, match="param 0 .*starts a momentum buffer after its first steps.*dampening=0.5"):
+        opt.step()
+    assert torch.equal(bits(q), before) and "momentum_buffer" not in opt.state[q]
+    opt.param_groups[0]["dampening"] = 0.0
+    opt.step()
+    assert float(opt.state[q]["step"]) == 2 and torch.equal(opt.state[q]["momentum_buffer"], q.grad.float())
 
 
 @pytest.mark.parametrize("dtype", LOWP)

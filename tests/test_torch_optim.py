@@ -645,6 +645,18 @@ def test_state_entries_over_shared_memory_are_rejected_before_anything_is_writte
     st["exp_avg"], st["exp_avg_sq"] = buffer[:6].copy_(st["exp_avg"]), buffer[6:].copy_(st["exp_avg_sq"])
     step()  # disjoint views of one buffer
     assert st["exp_avg"].data_ptr() == buffer.data_ptr() and float(st["step"]) == 2
+    # over a param that has no state yet (a group added later): it is written too
+    fresh = torch.nn.Parameter(torch.randn(6).to(dtype))
+    opt.add_param_group(dict(params=[fresh]))
+    params.append(fresh)
+    kept = st["exp_avg"]
+    st["exp_avg"] = fresh.data if dtype == torch.float32 else fresh.data.float()
+    if dtype == torch.float32:
+        with pytest.raises(ValueError, match=r"state\['exp_avg'\] of param 1 of param group 0 and param 0 of param "
+                                             r"group 2 are over the same memory|param 0 of param group 2 and state"):
+            step()
+    st["exp_avg"] = kept
+    step()
 
 
 @pytest.mark.parametrize("name", PAIRS)

@@ -1039,8 +1039,8 @@ class FusedOptimizer(Optimizer):
 
     @staticmethod
     def _check_state_disjoint(params: list, states: list, group_of: list, where: list, checks: list) -> None:
-        """No two of the tensors a step writes in place share memory: the params and the state entries it
-        takes as they are (_C.state_overlap says which). An entry set by hand over another's memory
+        """No two of the tensors a step writes in place share memory: the params with a grad and the state
+        entries it takes as they are (_C.state_overlap says which; DTensors by their local shards). An entry set by hand over another's memory
         (``state['exp_avg'] = state['exp_avg_sq']``, or over a param) was updated twice from the same old
         values, one write lost, in silence; on a GPU the writes would race. A ValueError naming both."""
         found = _ops._C.state_overlap(params, states, group_of, checks)
@@ -1219,7 +1219,7 @@ class FusedOptimizer(Optimizer):
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
         stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
         start = 0
-        stated = ([], [], [], [], [])  # the params with a state, their states, groups, (gi, i), each group's checks
+        stated = ([], [], [], [], [])  # the params a step writes, their states, groups, (gi, i), each group's checks
         for gi, group in enumerate(self.param_groups):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
@@ -1228,6 +1228,7 @@ class FusedOptimizer(Optimizer):
             dtensors = len(group["params"]) > 0 and not self._param_kind_ok(group["params"][0]) and \
                 self._check_kinds(group, f" (param group {gi})")
             params = []
+            stepped = []  # (i, p) of the params with a grad
             with_state = []  # (i, p, state) of the params with a grad and a state: their entries are checked below
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
@@ -1244,6 +1245,7 @@ class FusedOptimizer(Optimizer):
                     if state and not compiling:  # (compiled: the operator's checks, in the graph)
                         with_state.append((i, p, state))
                     params.append(p)
+                    stepped.append((i, p))
                 if stochastic:
                     # a DTensor's shard starts at its first element's index in the global param
                     # (keyed by the tensor the kernel call sees: a DTensor's local shard)
@@ -1253,6 +1255,7 @@ class FusedOptimizer(Optimizer):
                     else:
                         offsets[id(p)] = start
                     start += p.numel()
+            flat, masters = (), False
             if with_state:  # every entry in one C++ pass; the Python check makes the message where one fails
                 checks, flat, masters = self._entry_checks(group)
                 bad = _ops._C.state_entries_check([p for _, p, _ in with_state], [st for _, _, st in with_state], flat,
@@ -1260,9 +1263,12 @@ class FusedOptimizer(Optimizer):
                 if bad >= 0:
                     i, p, state = with_state[bad]
                     self._check_state_entries(state, group, p, i, gi, checks)
-                for i, p, state in with_state:
-                    stated[0].append(p)
-                    stated[1].append(state)
+            if stepped and not compiling:  # (for _check_state_disjoint; DTensors: their local shards)
+                local = _dist.local if dtensors else _same
+                for i, p in stepped:
+                    state = self.state.get(p) or {}
+                    stated[0].append(local(p))
+                    stated[1].append({k: local(v) for k, v in state.items()} if dtensors and state else state)
                     stated[2].append(len(stated[4]))
                     stated[3].append((gi, i))
                 stated[4].append((flat, masters, remainder))

@@ -97,7 +97,8 @@ class FusedLAMB(FusedOptimizer):
                              f"{sorted(map(str, by_device))}); step the meta params apart, or set max_grad_norm=0")
         for name in ("inv_scale", "grad_scale"):  # (as the step's own scalars are checked: this pass comes first)
             t = getattr(scaling, name)
-            if t is not None and (t.is_meta or t.layout != torch.strided):
+            # (a meta scale holds no value for params that hold values; meta params take it as it is)
+            if t is not None and ((t.is_meta and any(d.type != "meta" for d in by_device)) or t.layout != torch.strided):
                 what = "is on the meta device, which holds no value" if t.is_meta else f"must be a dense tensor, got a {t.layout}"
                 raise ValueError(f"StepScaling.{name} {what}: give a one-element float32 tensor on the params' device "
                                  "or the CPU")

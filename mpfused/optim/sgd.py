@@ -47,6 +47,19 @@ class FusedSGD(FusedOptimizer):
         check_scalar_or_tensor("weight_decay", group["weight_decay"], where=where, read_device=not in_step,
                                read_cpu=read_cpu)
         check_flags(group, ("nesterov", "maximize"), where)
+        if in_step and group["momentum"] != 0 and group["dampening"] != 0 and group.get("rounding") == "stochastic":
+            # Momentum turned on mid-run (or a buffer set to None) in a stochastic group: the step count goes on
+            # (it is the write-back's random stream: _complete_state) and the buffer starts from zeros, whose
+            # first momentum step is torch's (the grad itself) only without dampening.
+            for i, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                if p.grad is not None and st and "step" in st and st.get("momentum_buffer") is None:
+                    raise ValueError(
+                        f"param {i}{where} starts a momentum buffer after its first steps in a rounding='stochastic' "
+                        f"group with dampening={group['dampening']}: torch's first buffer is the grad itself, which "
+                        "this step gives only with dampening=0 (its step count, the stochastic rounding's random "
+                        "stream, cannot start again); set dampening=0 for that step, or turn momentum on from the "
+                        "first step")
 
     def state_dict(self) -> dict:
         """A momentum buffer that no step has written yet (``step`` 0: the first steps were skipped) is
