@@ -592,6 +592,7 @@ class _StepPlan:
             if layout is None:
                 return None
             versions = _step_versions(ps, layout_entries, lps) if dtensors else _step_versions(lps, layout_entries)
+            versions = versions or None  # (empty: no param with a master or a remainder, nothing to compare)
             mask = None if len(ps) == len(params) else tuple(p.grad is not None for p in params)
             # (the offsets are keyed by the tensor the kernel call sees: a DTensor's local shard)
             sr = ([_ops.u64_arg(offsets[id(p)], "sr_offsets") for p in lps]
