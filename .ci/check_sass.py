@@ -35,6 +35,9 @@ RULES: list[tuple[str, str, str, object]] = [
     # Stochastic rounding: eight FP32 values in (two 128-bit loads), eight 16-bit results out (one store).
     (r"round_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     (r"round_kernel", "128-bit global stores", r"\bSTG\.E\.128\b", ALL),
+    # Following a write from outside the step: eight 16-bit params (one 128-bit load) beside their masters
+    # (two) or remainders (one).
+    (r"follow_kernel", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),
     # Fixed point's Convert: the warps' groups take four elements a lane an access (FP32 to FP32: 128-bit
     # loads and stores; four FP16 inputs: one 64-bit load, which the thread-a-Philox-block path never has).
     (r"quantize_kernel<\(FixedType\)2, \(FixedType\)2,", "128-bit global loads", r"\bLDG\.E\.128\b", ALL),

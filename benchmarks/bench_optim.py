@@ -42,6 +42,11 @@ one tensor     (overhead-1), and the same with a new lr
 SR FP16/BF16   ``FusedAdamW(master_weights=False,           the same step with ``rounding="nearest"`` (the
                rounding="stochastic").step()``              anchor: what stochastic rounding costs)
 remainder BF16 ``FusedAdamW(master_weights="remainder")``   ``FusedAdamW(master_weights=True)``: FP32 masters
+follow FP16    ``clamp_`` of every FP16 param, then         torch's O2 pipeline with the same clipping: fused
+AdamW          ``FusedAdamW.step()`` (FP32 masters), whose  AdamW on FP32 masters, ``clamp_`` of the masters,
+               masters follow the write (weight clipping;   ``_foreach_copy_`` into the FP16 params; and our
+               an Embedding's max_norm writes alike)        step with no write between steps (what following
+                                                            costs)
 ============== ============================================ ==================================================
 
 The host-overhead sections time 50 consecutive steps per sample and report the time per step: the
@@ -66,6 +71,9 @@ the harness's copy roof, measured interleaved with the section):
   16 = 22, for either rounding (stochastic rounding adds Philox arithmetic, no traffic).
 - AdamW on BF16 params with remainders: param read + write 4, remainder read + write 4, grad 2, moments 16
   = 26; with FP32 masters: master read + write 8, param write 2, grad 2, moments 16 = 28.
+- follow: our step with FP32 masters and no unscale 28, the clamp_ of the FP16 params (read + write 4), and
+  following it (param read 2, master read + write 8 where the clamp changed a block) = 42. torch's pipeline is
+  charged the same, though it moves about 48 (grads to FP32 6, AdamW 28, the masters' clamp_ 8, the copy 6).
 - AdamW O2: 30 (FP32 master read + write 8, FP16/BF16 grad read + write of the unscaled value 4, moments
   16, FP16/BF16 param write 2) plus 2 for the inf check (the grads read once more) = 32; ``step()`` alone:
   30. torch's pipeline is charged the same 32 B per param (the job), though it moves about 44 (a: 4, b: 6,
@@ -170,8 +178,11 @@ LAMB_MAX_GRAD_NORM = 1.0
 LION_LR = 1e-4
 LION_BETAS = (0.9, 0.99)
 
+BYTES_FOLLOW = BYTES_MASTERS_NO_UNSCALE + 4 + 10  # the step, the clamp_ (r+w 4), following it (param 2, master 8)
+CLAMP = 0.5  # the clipping bound of the follow section: |w| > 0.5 for about 60% of N(0, 1) weights at the start
+
 SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "sr-fp16", "sr-bf16", "remainder",
-            "overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR)
+            "follow", "overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR)
 LOW_PRECISION = {"o2-fp16": ("FP16", torch.float16), "o2-bf16": ("BF16", torch.bfloat16)}
 SR_SECTIONS = {"sr-fp16": ("FP16", torch.float16), "sr-bf16": ("BF16", torch.bfloat16)}
 
@@ -195,6 +206,10 @@ OVERHEAD_SR = "mpfused FusedAdamW.step() FP16, no masters, rounding='stochastic'
 OURS_REMAINDER = "mpfused FusedAdamW.step(), master_weights='remainder'"
 OURS_MASTERS = "mpfused FusedAdamW.step(), master_weights=True (FP32 masters)"
 ANCHOR_NEAREST, ANCHOR_MASTERS = "nearest", "FP32 masters"
+OURS_FOLLOW = f"mpfused clamp_({-CLAMP}, {CLAMP}) + FusedAdamW.step() (FP32 masters follow the write)"
+OURS_NO_FOLLOW = "mpfused FusedAdamW.step() (FP32 masters, no write between steps)"
+TORCH_FOLLOW = f"torch O2 + clipping: copy to FP32 grads -> AdamW -> masters clamp_({-CLAMP}, {CLAMP}) -> copy back"
+ANCHOR_NO_WRITE, ANCHOR_O2_CLIP = "no write", "torch O2 + clamp"
 TORCH_LAMB = "torch for-loop LAMB (apex semantics, written here)"
 TORCH_LION_LOOP = "torch for-loop Lion (written here)"
 TORCH_LION_FOREACH = "torch foreach Lion (written here)"
@@ -466,6 +481,53 @@ def precision_section(key: str, sizes: list[int], device: torch.device) -> Secti
                               finite_tensors=finite))
     anchors = [ANCHOR_NEAREST] if key in SR_SECTIONS else [ANCHOR_MASTERS]
     return Section(key, title, model, sum(sizes), len(sizes), methods, anchors, notes)
+
+
+def follow_section(sizes: list[int], device: torch.device) -> Section:
+    """Weight clipping on an FP16 model with FP32 masters: a clamp_ of every param before every step, which the
+    step's masters follow (one pass, csrc/core/follow.h); against torch's O2 pipeline clipping its masters, and
+    against our step with no write between steps. Each method has its own params (they write them); the grads
+    are shared (read only: nothing unscales them)."""
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    grads = randn_list(sizes, device, SEED + 1, std=GRAD_STD, dtype=torch.float16)
+    methods = []
+    for name, anchor, clip in ((OURS_FOLLOW, None, True), (OURS_NO_FOLLOW, ANCHOR_NO_WRITE, False)):
+        params = make_params(randn_list(sizes, device, SEED, dtype=torch.float16), grads)
+        opt = FusedAdamW(params, **kw)
+
+        def run(opt=opt, params=params, clip=clip) -> None:
+            if clip:
+                with torch.no_grad():
+                    torch._foreach_clamp_min_(params, -CLAMP)
+                    torch._foreach_clamp_max_(params, CLAMP)
+            opt.step()
+
+        def finite(opt=opt, params=params) -> list[torch.Tensor]:
+            return list(params) + [opt.state[p]["master_param"] for p in params if "master_param" in opt.state[p]]
+        methods.append(method(name, "mpfused", run, BYTES_FOLLOW if clip else BYTES_MASTERS_NO_UNSCALE,
+                              anchor=anchor, step_count=first_step(opt), finite_tensors=finite))
+
+    lp = [p.detach() for p in make_params(randn_list(sizes, device, SEED, dtype=torch.float16), grads)]
+    masters = make_params([p.float() for p in lp], [torch.zeros(p.shape, device=device) for p in lp])
+    master_data, master_grads = [m.detach() for m in masters], [m.grad for m in masters]
+    fused_reason = torch_fused_reason(torch.optim.AdamW, device, weight_decay=WEIGHT_DECAY)
+    topt = torch.optim.AdamW(masters, **kw, **(dict(fused=True) if not fused_reason else dict(foreach=True)))
+
+    def torch_clip() -> None:
+        torch._foreach_copy_(master_grads, grads)
+        topt.step()
+        torch._foreach_clamp_min_(master_data, -CLAMP)
+        torch._foreach_clamp_max_(master_data, CLAMP)
+        torch._foreach_copy_(lp, master_data)
+
+    how = "fused=True" if not fused_reason else f"foreach=True (fused n/a: {fused_reason})"
+    methods.append(method(TORCH_FOLLOW, "torch", torch_clip, BYTES_FOLLOW, anchor=ANCHOR_O2_CLIP,
+                          step_count=first_step(topt), finite_tensors=lambda: lp + master_data, note=how))
+    model = (f"{BYTES_FOLLOW} B/param: the step with FP32 masters {BYTES_MASTERS_NO_UNSCALE}, the clamp_ 4, following "
+             f"it 10; our step alone {BYTES_MASTERS_NO_UNSCALE}")
+    return Section("follow", f"FP16 AdamW with FP32 masters, a clamp_ to +-{CLAMP} of every param before every step",
+                   model, sum(sizes), len(sizes), methods, [ANCHOR_O2_CLIP, ANCHOR_NO_WRITE],
+                   [f"torch's AdamW: {how}; its pipeline moves about 48 B/param but is charged {BYTES_FOLLOW}"])
 
 
 def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
@@ -742,6 +804,7 @@ def bytes_needed(key: str, params: int, with_apex: bool) -> int:
         "sr-fp16": 2 + 2 * 20 + 4,  # shared grads, two optimizers' params and moments, temporaries
         "sr-bf16": 2 + 2 * 20 + 4,
         "remainder": 2 + 22 + 24 + 4,  # shared grads; param, remainder, moments; param, master, moments
+        "follow": 2 + 2 * 22 + 24 + 4,  # shared grads; ours twice (param, master, moments); torch's pipeline
         "overhead": 0,
         OVERHEAD_ONE: 0,
         OVERHEAD_ONE_LR: 0,
@@ -1109,6 +1172,8 @@ def main() -> None:
             section = o2_section(key, sizes, device)
         elif key in SR_SECTIONS or key == "remainder":
             section = precision_section(key, sizes, device)
+        elif key == "follow":
+            section = follow_section(sizes, device)
         elif key == "overhead":
             section = overhead_section(device)
         else:

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/fixed_point.h"
+#include "core/follow.h"
 #include "core/gemm.h"
 #include "core/loss_scale.h"
 #include "core/master_split.h"
@@ -115,6 +116,29 @@ constexpr PlanLimits kCudaOptimLimits{int64_t{1} << 16, 384, int64_t{1} << 30};
 
 void optim_step_cpu(const OptimArgs& args, int num_threads);
 
+// ---- following a write from outside the step (core/follow.h) -------------------------------------
+// Where code outside the step wrote a 16-bit param kept with an FP32 master or a BF16 remainder, the
+// masters take the written values (element by element, core/follow.h's rules) and the remainders that
+// would make a NaN become 0. One pass over each param and its master (or remainder); nothing else is read.
+struct FollowTensor {
+  const void* param;   // FP16 or BF16, read
+  float* master;       // the param's FP32 master (written where the rules say), or nullptr
+  int16_t* remainder;  // nullptr, or a BF16 param's remainder (written where the rules say); never with a master
+  int64_t numel;       // of param and of its master or remainder
+  DType dtype;         // of param
+};
+
+struct FollowArgs {
+  const FollowTensor* tensors;  // one device
+  int64_t num_tensors;
+  bool stochastic;              // the masters were written with stochastic rounding (else to nearest)
+};
+
+constexpr PlanLimits kCpuFollowLimits{int64_t{1} << 16, INT32_MAX, INT32_MAX};
+constexpr PlanLimits kCudaFollowLimits{int64_t{1} << 16, 512, int64_t{1} << 30};
+
+void follow_writes_cpu(const FollowArgs& args, int num_threads);
+
 // ---- dynamic loss scaling: the scale update (core/loss_scale.h), on the device --------------------
 struct LossScaleArgs {
   float* scale;              // one float
@@ -216,6 +240,7 @@ void overflow_check_cuda(const OverflowArgs& args, const ScratchAllocator& scrat
 // Scratch (per-tensor partial sums of two-pass policies) comes from `scratch`, on the stream.
 void optim_step_cuda(const OptimArgs& args, const ScratchAllocator& scratch, void* stream);
 void loss_scale_update_cuda(const LossScaleArgs& args, void* stream);
+void follow_writes_cuda(const FollowArgs& args, void* stream);
 // Throws std::runtime_error with a message for the user: gemm_unsupported's, or another.
 void gemm_cuda(const GemmArgs& args, void* stream);
 // Empty when gemm_cuda runs inputs of `input_dtype` on CUDA device `device`, else why not (BF16 below

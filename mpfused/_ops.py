@@ -436,6 +436,15 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
     CUDA; no host sync."""
     args = (scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale, float(growth_factor),
             float(backoff_factor), int(growth_interval), int(hysteresis), 0.0 if min_scale is None else float(min_scale),
+def follow_writes_(params: list, targets: list, stochastic: bool) -> None:
+    """Where code outside a step wrote FP16/BF16 params kept with FP32 masters or BF16 remainders
+    (``targets[i]``: ``params[i]``'s master, float32, or remainder, int16), the masters take the written
+    values and the remainders that would make a NaN become 0, element by element (csrc/core/follow.h):
+    one pass over each param and its target, one launch per list on CUDA. ``stochastic``: the masters were
+    written with stochastic rounding (a param one of its master's two neighbours keeps the master)."""
+    ops.follow_writes_(params, targets, bool(stochastic))
+
+
             float("inf") if max_scale is None else float(max_scale), bool(dynamic))
     if not (_direct() and _int64(args[8], args[9]) and _C.loss_scale_update_call(*args)):
         ops.loss_scale_update_(*args)
@@ -620,8 +629,8 @@ def _fake(op: str):
     return register
 
 
-for _name in ("non_finite_check_", "unscale_check_", "optim_step_", "loss_scale_update_", "philox_words_",
-              "round_stochastic_out_", "fixed_point_quantize_out_"):
+for _name in ("non_finite_check_", "unscale_check_", "optim_step_", "follow_writes_", "loss_scale_update_",
+              "philox_words_", "round_stochastic_out_", "fixed_point_quantize_out_"):
     _fake(_name)(lambda *args: None)
 
 

@@ -828,6 +828,150 @@ def test_a_write_after_the_masters_exist_and_before_the_first_step_is_followed()
     opt.step()  # the masters, from the params as they are
     opt2 = FusedSGD([p], lr=1e-4)
     opt2.load_state_dict(opt.state_dict())  # holds the masters: 1.0
+def follow_reference(q, master, remainder, stochastic):
+    """The follow rules (csrc/core/follow.h) in torch ops, elementwise: the master after a write of param q,
+    and the remainder (either may be None). What _follow_writes ran before its one-pass operator."""
+    if remainder is not None:
+        nan = ((q == 0) & (remainder < 0)) | (torch.isinf(q) & (remainder > 0))
+        remainder = remainder.masked_fill(nan, 0)
+    if master is not None:
+        qf = q.float()
+        if stochastic:
+            toward = torch.nextafter(q, torch.where(master > qf, math.inf, -math.inf).to(q.dtype)).float()
+            kept = (qf == master) | ((master - qf).abs() < (toward - qf).abs())
+            kept |= torch.isinf(qf) & (master.abs() > torch.finfo(q.dtype).max) & ((master > 0) == (qf > 0))
+        else:
+            kept = q == master.to(q.dtype)
+        master = torch.where(kept, master, qf)
+    return master, remainder
+
+
+def follow_cases(dtype, n, gen):
+    """Masters over every kind of value (normal, on the grid, zeros, subnormal, near and past the largest
+    finite value, inf, NaN) and params that are their nearest rounding, their other neighbour, a value
+    further off, or anything else, element by element."""
+    info = torch.finfo(dtype)
+    kinds = [torch.randn(n, generator=gen),
+             torch.randn(n, generator=gen).to(dtype).float(),
+             torch.randn(n, generator=gen) * info.tiny,
+             torch.randn(n, generator=gen) * info.tiny * 2.0**-8,
+             torch.full((n,), info.max) * (1 + torch.rand(n, generator=gen) * 2.0**-7),
+             (torch.rand(n, generator=gen) * 2 - 1) * 3.0e38,
+             torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan]).repeat(n // 5 + 1)[:n]]
+    pick = torch.randint(0, len(kinds), (n,), generator=gen)
+    master = torch.stack(kinds)[pick, torch.arange(n)]
+    near = master.to(dtype)
+    other = torch.nextafter(near, torch.where(master > near.float(), math.inf, -math.inf).to(dtype))
+    further = torch.nextafter(other, torch.where(master > near.float(), math.inf, -math.inf).to(dtype))
+    anything = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, info.max]).to(dtype)
+    anything = anything[torch.randint(0, len(anything), (n,), generator=gen)]
+    q_kinds = torch.stack([near, near, near, other, further, torch.randn(n, generator=gen).to(dtype), anything])
+    q = q_kinds[torch.randint(0, len(q_kinds), (n,), generator=gen), torch.arange(n)]
+    remainder = torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16)
+    return q, master, remainder
+
+
+def same_values(a, b):
+    """Equal bit for bit where a is not a NaN, and NaN where a is (a NaN's payload is not part of the rules)."""
+    nan = torch.isnan(a) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    return torch.equal(nan, torch.isnan(b) if b.is_floating_point() else nan) and torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_follow_operator_applies_the_rules_to_every_element(device, stochastic):
+    """torch.ops.mpfused.follow_writes_ (one pass; csrc/core/follow.h) against the rules in torch ops, on
+    one call over FP16 and BF16 params with masters and BF16 params with remainders: sizes around the
+    vector width, the CPU's block (512) and the chunk (65,536), a storage offset that misaligns the vector
+    loads, and a channels_last param."""
+    gen = torch.Generator().manual_seed(11 + stochastic)
+    params, targets, want, before = [], [], [], []
+    specs = [(torch.float16, 1, 0), (torch.bfloat16, 7, 0), (torch.float16, 8, 1), (torch.bfloat16, 513, 3),
+             (torch.float16, 70_001, 1), (torch.bfloat16, 65_536 + 9, 0), (torch.float16, 0, 0)]
+    for k, (dtype, n, lead) in enumerate(specs):
+        q, master, remainder = follow_cases(dtype, n + lead, gen)
+        q, master, remainder = (t.to(device)[lead:] for t in (q, master, remainder))  # (views at an offset)
+        use_remainder = dtype == torch.bfloat16 and k % 2 == 1
+        target = remainder.clone() if use_remainder else master.clone()
+        params.append(q)
+        targets.append(target)
+        before.append(target.clone())
+        m, r = follow_reference(q, None if use_remainder else master, remainder if use_remainder else None, stochastic)
+        want.append(r if use_remainder else m)
+    x = torch.randn(2, 5, 3, 3, generator=gen).to(torch.float16).to(device).to(memory_format=torch.channels_last)
+    master = (x.float() + torch.randn(x.shape, generator=gen).to(device) * 1e-3).contiguous(memory_format=torch.channels_last)
+    params.append(x)
+    targets.append(master.clone())
+    before.append(master)
+    want.append(follow_reference(x, master, None, stochastic)[0])
+    mpfused._ops.follow_writes_(params, targets, stochastic)
+    for k, (t, w) in enumerate(zip(targets, want)):
+        assert same_values(w.cpu(), t.cpu()), k
+    # the cases reach every outcome: masters taken and kept (with bits their param lacks), remainders zeroed
+    # and kept (nonzero)
+    for is_master in (True, False):
+        pairs = [(q, b, w) for q, b, w in zip(params, before, want) if w.is_floating_point() == is_master and w.numel()]
+        changed = sum(int((b != w).sum()) for _, b, w in pairs)
+        if is_master:
+            kept = sum(int(((b == w) & (b != q.float())).sum()) for q, b, w in pairs)
+        else:
+            kept = sum(int(((b == w) & (b != 0)).sum()) for _, b, w in pairs)
+        assert changed > 100 and kept > 100, (is_master, changed, kept)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_follow_operator_changes_only_what_the_rules_say(stochastic):
+    """The rules' outcomes in numbers, so that the reference itself is checked: a param equal to its
+    master's rounding keeps the master's low bits; with stochastic rounding its other neighbour does too,
+    and a value further off is taken; a remainder below a written zero or inf becomes 0."""
+    master = torch.tensor([1.0 + 2.0**-12, 1.0 + 2.0**-12, 1.0 + 2.0**-12, 3.0, 70000.0])
+    q = torch.tensor([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-9, 2.0, math.inf], dtype=torch.float16)
+    t = master.clone()
+    mpfused._ops.follow_writes_([q], [t], stochastic)
+    neighbour = master[1].item() if stochastic else 1.0 + 2.0**-10
+    assert t.tolist() == [master[0].item(), neighbour, 1.0 + 2.0**-9, 2.0, 70000.0]  # (inf: the nearest rounding too)
+    qb = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1.0, 0.0], dtype=torch.bfloat16)
+    rem = torch.tensor([-5, -5, 7, -7, -5, 5], dtype=torch.int16)  # (-inf with -7: a master just past -2^128's split)
+    mpfused._ops.follow_writes_([qb], [rem], stochastic)
+    assert rem.tolist() == [0, 0, 0, -7, -5, 5]
+
+
+def test_the_follow_operator_refuses_bad_input_before_writing():
+    """Each bad argument named, nothing written."""
+    q = torch.ones(4, dtype=torch.float16)
+    m = torch.full((4,), 2.0)
+    ops = mpfused._ops
+    bad = [(([q], [], False), "targets must have one entry per param"),
+           (([q.float()], [m], False), "params[0] must be a float16 or bfloat16 tensor"),
+           (([q], [m.double()], False), "targets[0] must be its param's float32 master or int16 remainder"),
+           (([q], [torch.zeros(4, dtype=torch.int16)], False), "remainders are for bfloat16 params only"),
+           (([q], [torch.full((5,), 2.0)], False), "targets[0] must have its param's shape"),
+           (([q, q], [m, m], False), "targets[0] and targets[1] share memory"),
+           (([q[::2]], [m[::2].clone()], False), "params[0] must be dense"),
+           (([q, q], [m, m[1:3].clone()], False), "targets[1] must have its param's shape"),
+           (([q.reshape(2, 2).t().contiguous().t()], [m.reshape(2, 2)], False), "targets[0] must have its param's memory layout")]
+    for args, message in bad:
+        before = [t.clone() for t in args[1]]
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            ops.follow_writes_(*args)
+        assert all(torch.equal(a, b) for a, b in zip(args[1], before))
+    view = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"params\[0\] and targets\[0\] share memory"):
+        ops.follow_writes_([view[:4].view(torch.float16)[:4]], [view[:4]], False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_follow_operator_gives_the_same_bits_on_cuda(stochastic):
+    gen = torch.Generator().manual_seed(5)
+    for dtype in LOWP:
+        q, master, remainder = follow_cases(dtype, 70_003, gen)
+        for target in (master, remainder) if dtype == torch.bfloat16 else (master,):
+            cpu, gpu = target.clone(), target.cuda()
+            mpfused._ops.follow_writes_([q], [cpu], stochastic)
+            mpfused._ops.follow_writes_([q.cuda()], [gpu], stochastic)
+            assert same_values(cpu, gpu.cpu())
+
+
     with torch.no_grad():
         p.fill_(0.5)  # the pretrained weights arrive after
     opt2.step()

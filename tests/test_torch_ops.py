@@ -58,6 +58,11 @@ def samples(op: str, device: str) -> list:
         return [(adam_args(device, torch.float32, masters=False), {}),
                 (adam_args(device, h16, masters=True), {}),
                 (adam_args(device, h16, masters=False, stochastic=True, scaling=False), {})]
+    if op == "follow_writes_":
+        params = [fp((17,), device, h16, 1), fp((4, 3), device, torch.bfloat16, 2), fp((9,), device, torch.bfloat16, 3)]
+        targets = [fp((17,), device, seed=4), fp((4, 3), device, seed=5),
+                   torch.randint(-2**15, 2**15, (9,), dtype=torch.int16, device=device)]
+        return [((params, targets, False), {}), ((params, targets, True), {}), (([], [], True), {})]
     if op == "loss_scale_update_":
         def state(found):
             return (torch.full((), 1024.0, device=device), torch.zeros((), dtype=torch.int32, device=device),
@@ -140,6 +145,7 @@ def test_schema_marks_writes_only(op):
         "non_finite_check_": {"found_inf", "sumsq", "norm", "counter"},
         "unscale_check_": {"tensors", "found_inf", "sumsq", "norm", "counter"},
         "optim_step_": {"params", "grads", "masters", "remainders", "states", "steps", "counter"},
+        "follow_writes_": {"targets"},
         "loss_scale_update_": {"scale", "growth_tracker", "hysteresis_left", "skipped_steps", "inv_scale"},
         "philox_words_": {"out"},
         "round_stochastic_out_": {"out"},
@@ -152,7 +158,7 @@ def test_schema_marks_writes_only(op):
 # The operators that return nothing and only write their arguments: autograd has nothing to record, so
 # their Autograd keys fall through to the backend kernel (csrc/torch/common.h, MPF_TORCH_NO_AUTOGRAD)
 # instead of torch's boxed autograd fallback. Every operator with an output has an autograd kernel.
-NO_AUTOGRAD = ("optim_step_", "non_finite_check_", "unscale_check_", "loss_scale_update_")
+NO_AUTOGRAD = ("optim_step_", "follow_writes_", "non_finite_check_", "unscale_check_", "loss_scale_update_")
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -379,6 +379,87 @@ void optim_step_(c10::string_view kind, at::TensorList params, at::TensorList gr
   if (write_grad) bump_each_counter_once(grads);
 }
 
+// torch.ops.mpfused.follow_writes_: where code outside the step wrote 16-bit params kept with FP32 masters
+// or BF16 remainders, their masters take the written values and the remainders that would make a NaN
+// become 0 (core/follow.h). targets[i]: params[i]'s master (float32) or remainder (int16; bfloat16 params
+// only), with the param's shape and memory layout. mpfused/optim/_base.py (_follow_writes) says which params.
+void follow_writes_(at::TensorList params, at::TensorList targets, bool stochastic) {
+  const size_t n = params.size();
+  if (targets.size() != n)
+    fail("targets must have one entry per param (" + std::to_string(n) + "), got " + std::to_string(targets.size()));
+  std::vector<mpf::FollowTensor> tensors;
+  tensors.reserve(n);
+  at::Device device(at::kCPU);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& t = targets[i];
+    check_dense(p, item("params", i));
+    if (p.scalar_type() != at::kHalf && p.scalar_type() != at::kBFloat16)
+      fail(item("params", i) + " must be a float16 or bfloat16 tensor (a param kept with a master or a remainder), got a " +
+           describe(p));
+    if (i == 0) {
+      device = p.device();
+      check_backend(device, "params[0]");
+    }
+    if (p.device() != device)
+      fail(item("params", i) + " is on " + p.device().str() + " but params[0] is on " + device.str() + "; group params by device");
+    if (!p.is_non_overlapping_and_dense())
+      fail(item("params", i) + " must be dense (contiguous, channels_last or another permutation of a contiguous tensor), "
+           "got a strided view " + describe_layout(p));
+    mpf::FollowTensor x{p.data_ptr(), nullptr, nullptr, p.numel(),
+                        p.scalar_type() == at::kHalf ? mpf::DType::kFloat16 : mpf::DType::kBFloat16};
+    check_dense(t, item("targets", i));
+    if (t.scalar_type() == at::kShort) {
+      if (p.scalar_type() != at::kBFloat16)
+        fail(item("targets", i) + " is an int16 remainder for a " + describe(p) + " param; remainders are for bfloat16 params only");
+      check_beside_param(t, item("targets", i), at::kShort, "int16", device, p);
+      x.remainder = static_cast<int16_t*>(t.data_ptr());
+    } else {
+      if (t.scalar_type() != at::kFloat)
+        fail(item("targets", i) + " must be its param's float32 master or int16 remainder, got a " + describe(t));
+      check_beside_param(t, item("targets", i), at::kFloat, "float32", device, p);
+      x.master = static_cast<float*>(t.data_ptr());
+    }
+    tensors.push_back(x);
+  }
+  // No target over the memory of a param or of another target (each would be judged from values the pass
+  // writes): the spans sorted by start, each compared with the furthest-reaching span before it.
+  struct Span {
+    uintptr_t begin, end;
+    size_t index;
+    bool target;
+  };
+  std::vector<Span> spans;
+  spans.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i)
+    for (const at::Tensor* t : {&params[i], &targets[i]})
+      if (t->numel() > 0) {
+        const auto b = reinterpret_cast<uintptr_t>(t->data_ptr());
+        spans.push_back({b, b + static_cast<uintptr_t>(t->numel() * t->element_size()), i, t == &targets[i]});
+      }
+  std::stable_sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
+  size_t reach = 0;  // the span before the current one that ends last
+  for (size_t k = 1; k < spans.size(); ++k) {
+    const Span& prev = spans[reach];
+    const Span& cur = spans[k];
+    if (cur.begin < prev.end && (cur.target || prev.target))
+      fail((prev.target ? item("targets", prev.index) : item("params", prev.index)) + " and " +
+           (cur.target ? item("targets", cur.index) : item("params", cur.index)) +
+           " share memory; each master or remainder must have memory of its own");
+    if (cur.end > prev.end) reach = k;
+  }
+  if (tensors.empty()) return;
+  const mpf::FollowArgs args{tensors.data(), static_cast<int64_t>(tensors.size()), stochastic};
+  if (device.is_cpu()) {
+    mpf::follow_writes_cpu(args, at::get_num_threads());
+  } else {
+#ifdef MPFUSED_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(device);
+    mpf::follow_writes_cuda(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
+  }
+}
+
 }  // namespace
 }  // namespace mpf_torch
 
@@ -390,6 +471,9 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
         "int[] step_index, float lr, Tensor? lr_tensor, float[] hyper, Tensor?[] hyper_tensors, Tensor? inv_scale, "
         "Tensor? grad_scale, Tensor? clip_sumsq, float max_norm, Tensor? found_inf, Tensor(g!)? counter, "
         "bool write_grad, str rounding, int seed, int[] sr_offsets) -> ()");
+  m.def("follow_writes_(Tensor[] params, Tensor(a!)[] targets, bool stochastic) -> ()");
 }
 MPF_TORCH_IMPL_CPU_CUDA("optim_step_", &optim_step_)
 MPF_TORCH_NO_AUTOGRAD("optim_step_")
+MPF_TORCH_IMPL_CPU_CUDA("follow_writes_", &follow_writes_)
+MPF_TORCH_NO_AUTOGRAD("follow_writes_")

@@ -476,32 +476,26 @@ def _follow_writes(followed: tuple, seen) -> None:
     2^128, which the kernel writes as inf; a positive one below a 0, a master below 2^-133.)
 
     The full path calls this, after every check and before the kernels; the planned path leaves a step
-    whose params with masters or remainders moved to the full path (_StepPlan)."""
-    for p, master, remainder, stochastic in followed:
+    whose params with masters or remainders moved to the full path (_StepPlan). The rules are applied by
+    one pass over each moved param and its master or remainder (``torch.ops.mpfused.follow_writes_``,
+    csrc/core/follow.h; one launch on CUDA, no read on the host), which writes a block of masters only
+    where one of its elements changes."""
+    params, targets, moved, stochastic = [], [], [], False
+    for p, master, remainder, stoch in followed:
         key, v = _seen_key(master, remainder), _seen_value(p)
         if seen.get(key) == v:
             continue
+        moved.append((key, v))
+        q = _dist.local(p).detach()
+        for target in (remainder, master):
+            if target is not None:
+                params.append(q)
+                targets.append(target)
+        stochastic = stoch  # (one group's params: one rounding)
+    if params:
+        _ops.follow_writes_(params, targets, stochastic)
+    for key, v in moved:  # (noted once followed: a call that raised leaves them to the next step)
         seen[key] = v
-        with torch.no_grad():
-            q = _dist.local(p).detach()
-            cpu = q.device.type == "cpu"
-            if remainder is not None:
-                nan = ((q == 0) & (remainder < 0)) | (torch.isinf(q) & (remainder > 0))
-                if not cpu or bool(nan.any()):  # (CPU: a read, no sync; CUDA: no read)
-                    remainder.masked_fill_(nan, 0)
-            if master is None:
-                continue
-            if stochastic:  # q is master's rounding down or up: nothing on the grid lies between them
-                qf = q.float()
-                toward = torch.nextafter(q, torch.where(master > qf, math.inf, -math.inf).to(q.dtype)).float()
-                kept = (qf == master) | ((master - qf).abs() < (toward - qf).abs())
-                # beyond the largest finite value the grid's next step is infinity (core/stochastic.h)
-                kept |= torch.isinf(qf) & (master.abs() > torch.finfo(q.dtype).max) & ((master > 0) == (qf > 0))
-            else:
-                kept = q == master.to(q.dtype)
-            if cpu and bool(kept.all()):
-                continue  # (the common case on the CPU: nothing to write; on CUDA no read, the where writes)
-            master.copy_(torch.where(kept, master, q.float()))
 
 
 @dataclass

@@ -615,6 +615,67 @@ void test_random(std::mt19937& rng) {
     }
 }
 
+// ---- following a write from outside the step (follow.cu) -------------------------------------------------------------
+// Params of both 16-bit dtypes with FP32 masters and BF16 params with remainders in one call (split over several
+// launches when the list is long), at offsets that misalign the 16-byte path, against the CPU backend: values of
+// every kind (on and between the grid, zeros, subnormals, past the largest finite value, inf, NaN), params that
+// are their master's rounding or not.
+void test_follow(std::mt19937& rng) {
+  const std::vector<int64_t> sizes = small_scale() ? std::vector<int64_t>{0, 1, 9, 700}
+                                                   : std::vector<int64_t>{0, 1, 7, 8, 9, 4099, (int64_t{1} << 16) + 3};
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const float specials[] = {0.f, -0.f, INFINITY, -INFINITY, NAN, 65504.f, 70000.f, 3e38f, 1e-7f, 1e-40f};
+  for (const bool stochastic : {false, true})
+    for (const int count : {3, small_scale() ? 5 : 530}) {  // 530 > kCudaFollowLimits.max_tensors: two launches
+      std::vector<Buf> params, host, device;
+      std::vector<FollowTensor> th, td;
+      for (int t = 0; t < count; ++t) {
+        const int64_t n = count > 3 ? 1 + static_cast<int64_t>(rng() % 40) : sizes[rng() % sizes.size()];
+        const DType d = rng() % 2 ? DType::kFloat16 : DType::kBFloat16;
+        const bool remainder = d == DType::kBFloat16 && rng() % 3 == 0;
+        const size_t off = (rng() % 8) * 2;
+        Buf q(n * 2, off), target(n * (remainder ? 2 : 4), remainder ? off : (rng() % 4) * 4);
+        for (int64_t i = 0; i < n; ++i) {
+          float m = rng() % 4 == 0 ? specials[rng() % 10] : normal(rng);
+          const uint16_t near = d == DType::kFloat16 ? float_to_f16_bits(m) : float_to_bf16_bits(m);
+          uint16_t h = near;
+          switch (rng() % 4) {
+            case 0: break;
+            case 1: h = static_cast<uint16_t>(near + 1); break;
+            case 2: h = static_cast<uint16_t>(near - 1); break;
+            default: h = static_cast<uint16_t>(rng()); break;
+          }
+          q.as<uint16_t>()[i] = h;
+          if (remainder) target.as<int16_t>()[i] = static_cast<int16_t>(rng());
+          else target.as<float>()[i] = m;
+        }
+        const size_t esize = remainder ? 2 : 4;  // the device's copy at an alignment of its own
+        Buf hb = target.clone(static_cast<size_t>(target.data - target.mem.get())), db = target.clone((rng() % 8) * esize % 16);
+        th.push_back({q.data, remainder ? nullptr : hb.as<float>(), remainder ? hb.as<int16_t>() : nullptr, n, d});
+        td.push_back({q.data, remainder ? nullptr : db.as<float>(), remainder ? db.as<int16_t>() : nullptr, n, d});
+        params.push_back(std::move(q));
+        host.push_back(std::move(hb));
+        device.push_back(std::move(db));
+      }
+      follow_writes_cpu(FollowArgs{th.data(), static_cast<int64_t>(th.size()), stochastic}, 1);
+      CHECK(!throws([&] { follow_writes_cuda(FollowArgs{td.data(), static_cast<int64_t>(td.size()), stochastic}, nullptr); }),
+            "follow_writes");
+      for (int t = 0; t < count; ++t) {
+        // NaNs compared as NaNs (their payloads are not part of the rules; the backends widen alike anyway)
+        bool same = host[t].same(device[t]);
+        if (!same && th[t].master) {
+          same = true;
+          for (int64_t i = 0; i < th[t].numel; ++i) {
+            const float a = th[t].master[i], b = td[t].master[i];
+            same = same && (std::memcmp(&a, &b, 4) == 0 || (std::isnan(a) && std::isnan(b)));
+          }
+        }
+        CHECK(same, "follow_writes %s: tensor %d (%s, numel %lld, %s)", stochastic ? "stochastic" : "nearest", t,
+              dtype_name(th[t].dtype), static_cast<long long>(th[t].numel), th[t].remainder ? "remainder" : "master");
+      }
+    }
+}
+
 // ---- fixed point -------------------------------------------------------------------------------------------------------
 size_t fixed_size(FixedType t) {
   switch (t) {
@@ -1286,6 +1347,7 @@ int main(int argc, char** argv) {
   part("fixed_point", test_fixed_point);
   part("overflow", test_overflow);
   part("optim", test_optim);
+  part("follow", test_follow);
   part("gemm", test_gemm);
   if (!sm75) part("gemm_wgmma", test_gemm_wgmma);
   if (!sm75) part("gemm_wgmma_cluster", test_gemm_wgmma_cluster);
