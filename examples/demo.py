@@ -642,6 +642,8 @@ def main(argv=None):
     p.add_argument("--out", default="demo_out", help="folder for demo.json and demo.png (default: ./demo_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
     try:  # the output folder now, not after the training (a bad --out lost it)
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -204,6 +204,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error("--threads must be at least 1")
+    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
     try:  # the output folder now, not after the training (a bad --out lost it)
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -145,6 +145,10 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if not args.clip > 0:
         p.error(f"--clip must be > 0, got {args.clip}")
+    if not 0 <= args.overflow_step < args.steps:
+        p.error(f"--overflow-step must be in [0, --steps), got {args.overflow_step} with --steps {args.steps}")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.log_every < 1:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
     if args.device == "cuda" and not torch.cuda.is_available():

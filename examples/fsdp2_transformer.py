@@ -207,6 +207,8 @@ def parse(argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps must be >= 2, got {args.steps}")
+    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.save_at is None:
         args.save_at = args.steps // 2
     if not 1 <= args.save_at < args.steps:

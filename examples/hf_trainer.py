@@ -36,10 +36,14 @@ import torch
 from torch.utils.data import Dataset
 
 import mpfused
-from mpfused.integrations.transformers import use_grad_scaler
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+try:  # (--help needs none of it; parse() names what is missing)
+    from mpfused.integrations.transformers import use_grad_scaler
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+    from transformers.utils import logging as hf_logging  # noqa: E402
+    _MISSING = None
+except ImportError as e:
+    _MISSING, TrainerCallback = e, object
 
 VOCAB, SEQ, SEQUENCES = 64, 16, 256
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -173,8 +177,13 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--overflow-step must be in [0, --steps), got {args.overflow_step}")
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device on this machine")
+    if _MISSING is not None:
+        p.error(f"this example needs transformers and accelerate ({_MISSING}); make test-integrations installs the "
+                "tested versions, or: pip install transformers accelerate")
     return args
 
 

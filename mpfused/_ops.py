@@ -166,7 +166,9 @@ def non_finite_check_(
     of ``found_inf``. Empty tensors are skipped. Nothing is written when an argument is invalid.
     Never synchronises the host with the device.
     """
-    if _direct() and _C.overflow_call(bool(unscale), tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm,
+    if unscale.__class__ is not bool or overwrite.__class__ is not bool:
+        unscale, overwrite = _switch("unscale", unscale), _switch("overwrite", overwrite)
+    if _direct() and _C.overflow_call(unscale, tensors, found_inf, inv_scale, sumsq, overwrite, norm,
                                       counter):
         return  # (plain tensors in a list: the common case, called from C++; see optim_step_direct)
     tensors = _tensor_list(tensors, "tensors")
@@ -176,9 +178,17 @@ def non_finite_check_(
     if unscale:
         if inv_scale is None:
             raise ValueError("unscale=True needs inv_scale (a float32 tensor with one element)")
-        ops.unscale_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
+        ops.unscale_check_(tensors, found_inf, inv_scale, sumsq, overwrite, norm, counter)
     else:
-        ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, bool(overwrite), norm, counter)
+        ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, overwrite, norm, counter)
+
+
+def _switch(name: str, value) -> bool:
+    """A True/False argument (0 and 1, numpy's bools too), checked: bool() would take "False" as True."""
+    if value is True or value is False or type(value).__name__ == "bool_" or (
+            isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _direct() -> bool:
@@ -426,6 +436,15 @@ def _indexed(tensors, name: str, n: int, state_key: str) -> tuple:
     return given, index
 
 
+def follow_writes_(params: list, targets: list, stochastic: bool) -> None:
+    """Where code outside a step wrote FP16/BF16 params kept with FP32 masters or BF16 remainders
+    (``targets[i]``: ``params[i]``'s master, float32, or remainder, int16), the masters take the written
+    values and the remainders that would make a NaN become 0, element by element (csrc/core/follow.h):
+    one pass over each param and its target, one launch per list on CUDA. ``stochastic``: the masters were
+    written with stochastic rounding (a param one of its master's two neighbours keeps the master)."""
+    ops.follow_writes_(params, targets, bool(stochastic))
+
+
 def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale=None, *,
                        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale=None, max_scale=None,
                        dynamic=True) -> None:
@@ -436,15 +455,6 @@ def loss_scale_update_(scale, growth_tracker, hysteresis_left, skipped_steps, fo
     CUDA; no host sync."""
     args = (scale, growth_tracker, hysteresis_left, skipped_steps, found_inf, inv_scale, float(growth_factor),
             float(backoff_factor), int(growth_interval), int(hysteresis), 0.0 if min_scale is None else float(min_scale),
-def follow_writes_(params: list, targets: list, stochastic: bool) -> None:
-    """Where code outside a step wrote FP16/BF16 params kept with FP32 masters or BF16 remainders
-    (``targets[i]``: ``params[i]``'s master, float32, or remainder, int16), the masters take the written
-    values and the remainders that would make a NaN become 0, element by element (csrc/core/follow.h):
-    one pass over each param and its target, one launch per list on CUDA. ``stochastic``: the masters were
-    written with stochastic rounding (a param one of its master's two neighbours keeps the master)."""
-    ops.follow_writes_(params, targets, bool(stochastic))
-
-
             float("inf") if max_scale is None else float(max_scale), bool(dynamic))
     if not (_direct() and _int64(args[8], args[9]) and _C.loss_scale_update_call(*args)):
         ops.loss_scale_update_(*args)
@@ -544,6 +554,8 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     if (counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex()
             or counters.dtype == torch.bool):
         raise ValueError(f"counters must be (n, 4) integer words, got {counters.dtype} of shape {tuple(counters.shape)}")
+    if counters.device.type not in ("cpu", "cuda"):  # (a meta tensor's words cannot be range-checked)
+        raise ValueError(f"counters must be on the CPU or a CUDA device, got a tensor on {counters.device}")
     if counters.dtype != torch.int32 and counters.numel() and (  # int32: taken as the words' bit patterns
             bool((counters < 0).any()) or bool((counters.to(torch.int64) >= 2**32).any())):
         raise ValueError("counters must be words in [0, 2**32) (or an int32 tensor of their bit patterns)")

@@ -28,6 +28,7 @@ below). With a fused optimizer a whole iteration compiles with ``fullgraph=True`
 
 from __future__ import annotations
 
+import inspect
 import math
 import struct
 import numbers
@@ -40,7 +41,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _dist, _ops
 from ._layout import flat, is_dense
-from .optim._base import FusedOptimizer, StepScaling, copy_to
+from .optim._base import FusedOptimizer, StepScaling, copy_to, switch
 
 __all__ = ["GradScaler"]
 
@@ -173,6 +174,23 @@ def _check_clamp(name: str, value) -> Optional[float]:
     return v
 
 
+_TAKES_SCALING: dict = {}
+
+
+def _step_takes_scaling(cls: type) -> bool:
+    """Whether ``cls.step`` takes the ``scaling`` keyword (FusedOptimizer.step does; a subclass may override
+    it with torch's ``step(self, closure=None)``). Answered once per class."""
+    takes = _TAKES_SCALING.get(cls)
+    if takes is None:
+        try:
+            params = inspect.signature(cls.step).parameters.values()
+            takes = any(p.name == "scaling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        except (TypeError, ValueError):  # (a step without a signature to read: the keyword is not tried)
+            takes = False
+        _TAKES_SCALING[cls] = takes
+    return takes
+
+
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a sync-free fused path and extras (keyword-only):
 
@@ -203,6 +221,7 @@ class GradScaler(torch.amp.GradScaler):
             device = torch.device(device).type  # torch keeps the device type; the scale lives on the loss's device
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device must be a device type such as 'cuda' or 'cpu', got {device!r} ({e})") from None
+        dynamic = switch("dynamic", dynamic)  # (bool("no") would be True)
         if enabled:  # numbers as Python floats and ints (numpy scalars and one-element tensors are taken)
             growth_factor, backoff_factor = _check_factors(growth_factor, backoff_factor)
             init_scale = _check_scale("init_scale", init_scale)
@@ -227,6 +246,13 @@ class GradScaler(torch.amp.GradScaler):
                 raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh, got {type(device_mesh).__name__}")
         if grad_sharding is not None and grad_sharding not in _SHARDINGS:
             raise ValueError(f"grad_sharding must be None, 'replicated' or 'sharded', got {grad_sharding!r}")
+        if grad_sharding is not None and process_group is None:
+            raise ValueError(f"grad_sharding={grad_sharding!r} says how the grads are spread over a process_group's "
+                             "ranks, and no process_group was given (without one, every norm is this rank's alone)")
+        if process_group is not None and not (torch.distributed.is_available()
+                                              and isinstance(process_group, torch.distributed.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD, or one "
+                            f"from dist.new_group), got {type(process_group).__name__}")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.cuda.amp.GradScaler is enabled")
             super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
@@ -235,7 +261,7 @@ class GradScaler(torch.amp.GradScaler):
         self._hysteresis = int(hysteresis)
         self._min_scale = None if min_scale is None else float(min_scale)
         self._max_scale = None if max_scale is None else float(max_scale)
-        self._dynamic = bool(dynamic)
+        self._dynamic = dynamic
         self._process_group = process_group
         self._grad_sharding = grad_sharding
         self._device_mesh = device_mesh
@@ -689,7 +715,16 @@ class GradScaler(torch.amp.GradScaler):
             inv_scale=self._inv_scale if state["stage"] is not OptState.UNSCALED else None,
             found_inf=(found[0] if len(found) == 1 else sum(copy_to(f, home) for f in found)) if found else None,
             clip=(clip["sumsq"], clip["max_norm"]) if clip["max_norm"] is not None else None)
-        retval = optimizer.step(*args, scaling=scaling, **kwargs)
+        if _step_takes_scaling(type(optimizer)):
+            retval = optimizer.step(*args, scaling=scaling, **kwargs)
+        else:
+            # A subclass's own step(closure=None) that calls FusedOptimizer.step: the scaling travels beside
+            # the call, for that step to take (as torch's scaler sets grad_scale and found_inf around step()).
+            optimizer.__dict__["_mpf_scaling"] = scaling
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                optimizer.__dict__.pop("_mpf_scaling", None)
         state["stage"] = OptState.STEPPED
         return retval
 

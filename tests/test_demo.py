@@ -118,9 +118,13 @@ def test_fixed_point_panel(run):
     assert [row["fl"] for row in fp["update_ratios"]] == list(fls)
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         demo.main(["--steps", "1", "--out", str(tmp_path)])
+    # a negative seed: refused at once (it was taken, and the fixed-point panel failed after the other runs)
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--quick", "--seed", "-1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--seed must be in [0, 2**32)" in capsys.readouterr().err
 
 
 def test_an_out_that_cannot_be_a_folder_is_refused_before_training(tmp_path, capsys):

@@ -54,6 +54,9 @@ def test_update_ratios(run):
 def test_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.main(["--threads", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        example.main(["--quick", "--seed", "-5", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--seed must be in [0, 2**32)" in capsys.readouterr().err
     # an --out that cannot be a folder: refused before the training (it once failed after it, the run lost)
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -26,3 +26,16 @@ def test_missing_framework_is_a_clear_import_error(monkeypatch, module, package)
     monkeypatch.setitem(sys.modules, package, None)  # `import <package>` now raises ImportError
     with pytest.raises(ImportError, match=f"needs the package '{package}', which is not installed: pip install {package}"):
         importlib.import_module(f"mpfused.integrations.{module}")
+
+
+def test_the_hf_trainer_example_says_what_is_missing_instead_of_a_traceback():
+    """examples/hf_trainer.py imported transformers at module level: without it, even --help was an
+    ImportError traceback. Now --help works and a run is refused with the packages to install."""
+    code = ("import sys, runpy; sys.modules['transformers'] = None; sys.argv = ['hf_trainer.py'] + sys.argv[1:]; "
+            "runpy.run_path('examples/hf_trainer.py', run_name='__main__')")
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, PYTHONPATH=str(root))
+    helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=root, env=env)
+    assert helped.returncode == 0 and "--overflow-step" in helped.stdout, helped.stderr
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    assert run.returncode == 2 and "needs transformers and accelerate" in run.stderr and "Traceback" not in run.stderr

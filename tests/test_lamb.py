@@ -279,6 +279,8 @@ def test_state_dict_round_trip_continues_bitwise(device, dtype):
     (dict(weight_decay=-0.01), "weight_decay"),
     (dict(max_grad_norm=-1.0), "max_grad_norm"),
     (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+    (dict(use_nvlamb="no"), "use_nvlamb"),  # (bool() took it as True)
+    (dict(set_grad_none="False"), "set_grad_none"),
 ])
 def test_invalid_hyperparameters_raise_value_error_naming_them(kw, name):
     with pytest.raises(ValueError, match=f"Invalid {name}"):
@@ -347,3 +349,20 @@ def test_an_overflowing_sum_of_squares_does_not_poison_the_update(device):
     p.grad = torch.full((8,), 1e20, device=device)
     FusedLAMB([p], lr=1e-2).step()
     assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("set_grad_none", [True, False])
+def test_a_copy_keeps_set_grad_none(copier, set_grad_none):
+    """set_grad_none is an attribute of its own, which torch's Optimizer.__getstate__ (defaults, state,
+    param_groups) left out of a copy: the copy's zero_grad() raised AttributeError."""
+    import pickle
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedLAMB([p], set_grad_none=set_grad_none)
+    p.grad = torch.ones(3)
+    opt.step()
+    clone = copy.deepcopy(opt) if copier == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    q = clone.param_groups[0]["params"][0]
+    q.grad = torch.ones(3)
+    clone.zero_grad()
+    assert (q.grad is None) == set_grad_none and (set_grad_none or torch.equal(q.grad, torch.zeros(3)))

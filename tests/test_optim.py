@@ -791,3 +791,39 @@ def test_meta_tensors_that_hold_no_value_are_named_before_anything_is_written():
     m = torch.nn.Parameter(torch.ones(3, device="meta"))
     m.grad = torch.ones(3, device="meta")
     FusedLAMB([m]).step(scaling=StepScaling(inv_scale=meta))
+
+
+def test_an_expanded_grad_that_a_scaled_step_would_write_back_is_refused_before_any_write():
+    """A step driven by a scaler writes the unscaled grad back; a grad laid out unlike its param goes through
+    a copy, copied back after every group's kernel. An expand()ed grad cannot take that copy: the step raised
+    there, with the params and step counts already updated. Now it raises before any write."""
+    from mpfused.optim import StepScaling
+    a, b = torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdam([b, a], lr=0.1)
+    b.grad, a.grad = torch.full((4,), 4.0), torch.full((1, 3), 4.0).expand(2, 3)
+    with pytest.raises(ValueError, match=r"param 1 of param group 0: its grad overlaps itself in memory"):
+        opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.25]), found_inf=torch.zeros(1)))
+    assert a.tolist() == [[1.0] * 3] * 2 and b.tolist() == [1.0] * 4 and not opt.state
+    a.grad = a.grad.contiguous()
+    opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.25]), found_inf=torch.zeros(1)))
+    assert torch.equal(a.grad, torch.ones(2, 3)) and a[0, 0].item() < 1.0
+
+
+@pytest.mark.parametrize("cls, name", [(FusedAdam, "maximize"), (FusedAdam, "amsgrad"), (FusedAdamW, "maximize"),
+                                       (FusedAdam, "decoupled_weight_decay"), (FusedSGD, "nesterov"),
+                                       (FusedSGD, "maximize")])
+def test_a_constructor_switch_that_is_not_a_bool_is_refused(cls, name):
+    """bool() took any object: maximize="no" maximized. The constructors now check a switch as a param
+    group's is checked (True, False, 0 or 1)."""
+    kw = dict(momentum=0.9) if cls is FusedSGD else {}
+    with pytest.raises(ValueError, match=f"Invalid {name}: expected True or False, got 'no'"):
+        cls([torch.nn.Parameter(torch.zeros(3))], **kw, **{name: "no"})
+    assert cls([torch.nn.Parameter(torch.zeros(3))], **kw, **{name: 0}).param_groups[0][name] is False
+
+
+@pytest.mark.parametrize("arg", ["unscale", "overwrite"])
+def test_a_check_switch_that_is_not_a_bool_is_refused_before_writing(arg):
+    x, found = torch.full((3,), 4.0), torch.ones(1)
+    with pytest.raises(ValueError, match=f"{arg} must be True or False, got 'False'"):
+        mpfused.non_finite_check_([x], found, torch.full((1,), 0.5), **{arg: "False"})
+    assert x.tolist() == [4.0] * 3 and found.item() == 1.0

@@ -455,6 +455,50 @@ def train(model, opt, data):
         opt.step()
 
 
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy", "pickle"])
+def test_a_group_added_after_a_resume_takes_the_saved_runs_seed(how):
+    """The seed drawn for stochastic groups with seed None is the optimizer's, drawn once; a group added later
+    takes it. After a resume (a state dict loaded into an optimizer that drew its own seed), a deepcopy or a
+    pickle, a group added (progressive unfreezing) took a new seed, and the run was no longer bit-identical
+    to the unbroken one."""
+    import pickle
+
+    def grads(ps, s):
+        g = torch.Generator().manual_seed(s)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(64, generator=g).bfloat16().requires_grad_() for _ in range(2)]
+
+    kw = dict(lr=1e-3, master_weights=False, rounding="stochastic")
+    torch.manual_seed(123)
+    a = params()
+    opt_a = FusedAdamW([a[0]], **kw)
+    for s in range(3):
+        grads(a[:1], s)
+        opt_a.step()
+    saved, saved_params = copy.deepcopy(opt_a.state_dict()), [p.detach().clone() for p in a]
+    if how == "state_dict":
+        torch.manual_seed(999)  # the resumed run draws another seed of its own
+        c = [p.clone().requires_grad_() for p in saved_params]
+        opt_c = FusedAdamW([c[0]], **kw)
+        opt_c.load_state_dict(saved)
+    else:
+        opt_c = copy.deepcopy(opt_a) if how == "deepcopy" else pickle.loads(pickle.dumps(opt_a))
+        c = [opt_c.param_groups[0]["params"][0], saved_params[1].clone().requires_grad_()]
+    opt_a.add_param_group({"params": [a[1]]})
+    opt_c.add_param_group({"params": [c[1]]})
+    assert [g["seed"] for g in opt_c.param_groups] == [g["seed"] for g in opt_a.param_groups]
+    for s in range(3, 6):
+        grads(a, s)
+        opt_a.step()
+        grads(c, s)
+        opt_c.step()
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, c))
+
+
 RESUME_CASES = [
     (FusedAdamW, torch.bfloat16, dict(lr=1e-2, master_weights=False, rounding="stochastic")),
     (FusedAdam, torch.float16, dict(lr=1e-2, master_weights=False, rounding="stochastic")),
@@ -784,50 +828,6 @@ def test_a_write_follows_only_the_elements_it_changed(rounding):
     assert torch.equal(master, want) and p[2].item() == 0.125
 
 
-def test_params_sharing_a_version_counter_follow_only_their_own_writes():
-    """Views of one buffer share a version counter: a write to one moves the other's too."""
-    flat = torch.ones(8, dtype=torch.float16)
-    a, b = torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])
-    opt = FusedSGD([a, b], lr=1e-4)
-    a.grad, b.grad = torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.float16)
-    opt.step()
-    b_master = opt.state[b]["master_param"].clone()
-    with torch.no_grad():
-        a.fill_(0.5)
-    assert a._version == b._version
-    a.grad, b.grad = torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)
-    opt.step()
-    assert torch.equal(opt.state[b]["master_param"], b_master) and a.tolist() == [0.5] * 4
-
-
-def test_an_embedding_renormed_in_every_forward_trains_on_its_masters():
-    """nn.Embedding(max_norm=...) renorms its weight in place in every forward, which moves its version even
-    where no row is clipped: its FP16 weight must train as it does without max_norm (updates below FP16's
-    step kept by the master)."""
-    results = []
-    for max_norm in (None, 1e6):
-        torch.manual_seed(0)
-        emb = torch.nn.Embedding(16, 4, max_norm=max_norm).half()
-        opt = FusedSGD(emb.parameters(), lr=1e-4)
-        for i in range(20):
-            emb(torch.arange(16)).float().sum().backward()
-            opt.step()
-            opt.zero_grad()
-        results.append((emb.weight.detach().clone(), opt.state[emb.weight]["master_param"].clone()))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
-def test_a_write_after_the_masters_exist_and_before_the_first_step_is_followed():
-    """Masters made before the weights are loaded (a torch state dict loaded first; amp.initialize, which
-    makes them from FP32 originals): the first step compares every param with its master."""
-    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
-    torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=1e-4)
-    opt = FusedSGD([p], lr=1e-4)
-    opt.load_state_dict(torch_opt.state_dict())
-    p.grad = torch.zeros(4, dtype=torch.float16)
-    opt.step()  # the masters, from the params as they are
-    opt2 = FusedSGD([p], lr=1e-4)
-    opt2.load_state_dict(opt.state_dict())  # holds the masters: 1.0
 def follow_reference(q, master, remainder, stochastic):
     """The follow rules (csrc/core/follow.h) in torch ops, elementwise: the master after a write of param q,
     and the remainder (either may be None). What _follow_writes ran before its one-pass operator."""
@@ -972,6 +972,50 @@ def test_the_follow_operator_gives_the_same_bits_on_cuda(stochastic):
             assert same_values(cpu, gpu.cpu())
 
 
+def test_params_sharing_a_version_counter_follow_only_their_own_writes():
+    """Views of one buffer share a version counter: a write to one moves the other's too."""
+    flat = torch.ones(8, dtype=torch.float16)
+    a, b = torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])
+    opt = FusedSGD([a, b], lr=1e-4)
+    a.grad, b.grad = torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.float16)
+    opt.step()
+    b_master = opt.state[b]["master_param"].clone()
+    with torch.no_grad():
+        a.fill_(0.5)
+    assert a._version == b._version
+    a.grad, b.grad = torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)
+    opt.step()
+    assert torch.equal(opt.state[b]["master_param"], b_master) and a.tolist() == [0.5] * 4
+
+
+def test_an_embedding_renormed_in_every_forward_trains_on_its_masters():
+    """nn.Embedding(max_norm=...) renorms its weight in place in every forward, which moves its version even
+    where no row is clipped: its FP16 weight must train as it does without max_norm (updates below FP16's
+    step kept by the master)."""
+    results = []
+    for max_norm in (None, 1e6):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(16, 4, max_norm=max_norm).half()
+        opt = FusedSGD(emb.parameters(), lr=1e-4)
+        for i in range(20):
+            emb(torch.arange(16)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((emb.weight.detach().clone(), opt.state[emb.weight]["master_param"].clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_a_write_after_the_masters_exist_and_before_the_first_step_is_followed():
+    """Masters made before the weights are loaded (a torch state dict loaded first; amp.initialize, which
+    makes them from FP32 originals): the first step compares every param with its master."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=1e-4)
+    opt = FusedSGD([p], lr=1e-4)
+    opt.load_state_dict(torch_opt.state_dict())
+    p.grad = torch.zeros(4, dtype=torch.float16)
+    opt.step()  # the masters, from the params as they are
+    opt2 = FusedSGD([p], lr=1e-4)
+    opt2.load_state_dict(opt.state_dict())  # holds the masters: 1.0
     with torch.no_grad():
         p.fill_(0.5)  # the pretrained weights arrive after
     opt2.step()

@@ -355,3 +355,9 @@ def test_empty_and_top_level_export():
     assert mpfused.round_stochastic is round_stochastic
     e = round_stochastic(torch.empty(0, 3), torch.float16, seed=0, offset=2**64 - 1)
     assert e.shape == (0, 3) and e.dtype == torch.float16
+
+
+def test_philox_counters_on_meta_are_refused_by_name():
+    """A meta tensor's words cannot be range-checked: the check itself raised torch's internal error."""
+    with pytest.raises(ValueError, match="counters must be on the CPU or a CUDA device, got a tensor on meta"):
+        mpfused.random.philox4x32_10(torch.zeros(2, 4, dtype=torch.int64, device="meta"), (0, 0))

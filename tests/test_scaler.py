@@ -297,6 +297,8 @@ def test_scale_handles_nested_outputs(device):
     (dict(init_scale=2.0**30, max_scale=2.0**24), r"init_scale .* must lie in"),
     (dict(process_group=object()), "grad_sharding must be 'replicated'"),
     (dict(grad_sharding="zero"), "grad_sharding must be None"),
+    (dict(grad_sharding="sharded"), "no process_group was given"),  # (was ignored: every norm this rank's)
+    (dict(dynamic="no"), "Invalid dynamic: expected True or False"),  # (bool("no") is True: it was dynamic)
 ])
 def test_invalid_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -788,3 +790,46 @@ def test_a_param_listed_twice_in_a_torch_optimizer_is_named_before_anything_is_u
     with pytest.raises(ValueError, match="param 2 of param group 0 has the grad of param 0 of param group 0"):
         scaler.unscale_(opt)
     assert p.grad.tolist() == [1.0] * 3 and q.grad.tolist() == [1.0] * 2
+
+
+class _CountingAdamW(FusedAdamW):
+    """A subclass that overrides step() with torch's signature, as training code does to log or count."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        type(self).calls += 1
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("bad", [False, True])
+def test_scaler_steps_a_subclass_whose_step_takes_no_scaling(clip, bad):
+    """mpfused.GradScaler hands a fused optimizer its scaling as step(scaling=...); a subclass's own
+    step(closure=None) cannot take it, and got a TypeError. The scaling now travels beside the call to the
+    fused step the subclass calls, with the same result as the plain class (skipped on an inf, clipped)."""
+    results = []
+    for cls in (FusedAdamW, _CountingAdamW):
+        p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+        opt, scaler = cls([p], lr=0.1), mpfused.GradScaler("cpu", init_scale=8.0)
+        for it in range(3):
+            loss = (p * p).sum() * (math.inf if bad and it == 1 else 1.0)
+            scaler.scale(loss).backward()
+            if clip:  # (deferred into the step: the clip travels with the scaling)
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append((p.detach().clone(), scaler.get_scale(), float(opt.state[p]["step"])))
+        assert "_mpf_scaling" not in opt.__dict__
+    assert _CountingAdamW.calls == 3
+    _CountingAdamW.calls = 0
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
+    assert results[0][2] == (2.0 if bad else 3.0)
+
+
+def test_a_process_group_that_is_not_one_is_refused_when_made():
+    """It was taken, and the first step failed inside torch.distributed ('str' object has no attribute
+    'allreduce')."""
+    with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup \(.*\), got str"):
+        mpfused.GradScaler("cpu", process_group="pg", grad_sharding="sharded")

@@ -100,6 +100,13 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
     check_number(f"{name} value" if not name.startswith("beta") else name, value, lo, hi, hi_open, where)
 
 
+def switch(name: str, value) -> bool:
+    """A constructor's switch (maximize, amsgrad, nesterov, ...) as a bool, checked as check_flags checks a
+    group's: bool() would take any object, and maximize="no" would maximize."""
+    check_flags({name: value}, (name,))
+    return bool(value)
+
+
 def check_flags(group: dict, names: tuple, where: str = "") -> None:
     """The switches of a param group (maximize, amsgrad, nesterov, ...): True or False (0 and 1 too). A
     param group is a plain dict that code may edit between steps; anything else would reach the kernel's
@@ -748,6 +755,18 @@ class FusedOptimizer(Optimizer):
         check_precision(defaults)
         super().__init__(params, defaults)
 
+    # Attributes a copy (deepcopy, pickle, torch.save of the optimizer) keeps beside torch's three (defaults,
+    # state, param_groups): the seed drawn for groups with rounding="stochastic" and seed None, which a group
+    # added to the copy takes as the original's would.
+    _copied_attrs: tuple[str, ...] = ("_mpf_seed",)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        for name in self._copied_attrs:
+            if name in self.__dict__:
+                state[name] = self.__dict__[name]
+        return state
+
     def __setstate__(self, state: dict) -> None:
         self.__dict__.pop("_mpf_plan", None)  # a plan holds the state and groups being replaced
         # the next step compares every param with its (loaded) master again (_follow_writes)
@@ -1181,6 +1200,8 @@ class FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if scaling is None and "_mpf_scaling" in self.__dict__:
+            scaling = self.__dict__.pop("_mpf_scaling")  # mpfused.GradScaler's, through a subclass's own step()
         if scaling is None:
             # torch.amp.GradScaler's protocol: the scale S itself and the summed found_inf, set around step()
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
@@ -1287,17 +1308,27 @@ class FusedOptimizer(Optimizer):
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
         if write_grad and not compiling and not torch.is_inference_mode_enabled():
-            # an inference grad cannot be written back outside inference mode: refused before any group is
-            # written (the operator refuses it too, but only for its own call's groups)
+            # Grads this step cannot write back are refused before any group is written (the operator refuses
+            # some too, but only for its own call's groups): an inference grad, outside inference mode; one that
+            # overlaps itself (an expand()ed view), where it goes through a copy (laid out unlike its param)
+            # that is written back after the kernels.
             for group, params, dtensors in work:
                 for p in params:
-                    if _dist.local(p.grad).is_inference() if dtensors else p.grad.is_inference():
-                        i = next(j for j, q in enumerate(group["params"]) if q is p)
-                        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
-                        raise RuntimeError(
-                            f"param {i} of param group {gi}: its grad is an inference "
-                            "tensor (made under torch.inference_mode()), which this step would write back unscaled; "
-                            "make the grad outside inference mode, or step without a scaler")
+                    g = _dist.local(p.grad) if dtensors else p.grad
+                    lp = _dist.local(p) if dtensors else p
+                    if g.is_inference():
+                        why = ("is an inference tensor (made under torch.inference_mode())", RuntimeError,
+                               "make the grad outside inference mode")
+                    elif g.stride() != lp.stride() and not same_layout(g, lp) and \
+                            torch._debug_has_internal_overlap(g) == 1:
+                        why = ("overlaps itself in memory (an expand()ed or similar view)", ValueError,
+                               "give the grad memory of its own (.contiguous())")
+                    else:
+                        continue
+                    i = next(j for j, q in enumerate(group["params"]) if q is p)
+                    gi = next(k for k, g in enumerate(self.param_groups) if g is group)
+                    raise why[1](f"param {i} of param group {gi}: its grad {why[0]}, which this step would write "
+                                 f"back unscaled; {why[2]}, or step without a scaler")
         plannable = not torch.compiler.is_compiling()
         for group, params, dtensors in work:
             buckets: dict[torch.device, list] = defaultdict(list)
@@ -1650,6 +1681,14 @@ class FusedOptimizer(Optimizer):
             for i, p in enumerate(ng["params"]):
                 check_remainder_dtype(ng, f" of param group {gi} of the loaded state dict (nothing was loaded)", i, p)
         self.__setstate__({"state": state, "param_groups": new_groups})
+        if self.defaults.get("seed") is None:
+            # The seed this optimizer draws for stochastic groups with seed None is the saved run's: the seed
+            # of its first stochastic group (so a group added after a resume rounds as it would have in the
+            # run that saved the dict, where it would have taken that run's drawn seed)
+            saved_seed = next((g["seed"] for g in self.param_groups
+                               if g.get("rounding") == "stochastic" and type(g.get("seed")) is int), None)
+            if saved_seed is not None:
+                self.__dict__["_mpf_seed"] = saved_seed
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):

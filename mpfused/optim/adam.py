@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ._base import (FusedOptimizer, check_betas, check_common_kwargs, check_flags, check_lr, check_number,
-                    device_hyper)
+                    device_hyper, switch)
 
 
 class FusedAdam(FusedOptimizer):
@@ -34,11 +34,11 @@ class FusedAdam(FusedOptimizer):
         check_common_kwargs(foreach, fused, capturable, differentiable)
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             betas = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else b for b in betas)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
-                        maximize=bool(maximize), foreach=foreach, capturable=capturable,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=switch("amsgrad", amsgrad),
+                        maximize=switch("maximize", maximize), foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
-                        decoupled_weight_decay=bool(decoupled_weight_decay), master_weights=master_weights,
-                        rounding=rounding, seed=seed)
+                        decoupled_weight_decay=switch("decoupled_weight_decay", decoupled_weight_decay),
+                        master_weights=master_weights, rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 

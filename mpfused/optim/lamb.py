@@ -12,7 +12,7 @@ import torch
 from .. import _dist, _ops
 from .._layout import flat, is_dense
 from ._base import (FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_flags, check_lr, check_number,
-                    copy_to)
+                    copy_to, switch)
 
 
 class FusedLAMB(FusedOptimizer):
@@ -44,13 +44,15 @@ class FusedLAMB(FusedOptimizer):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_common_kwargs(None, None, False, False)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=betas, eps=eps, weight_decay=weight_decay,
-                        adam_w_mode=bool(adam_w_mode), grad_averaging=bool(grad_averaging),
-                        max_grad_norm=max_grad_norm, use_nvlamb=bool(use_nvlamb), master_weights=master_weights,
+        set_grad_none = switch("set_grad_none", set_grad_none)
+        defaults = dict(lr=lr, bias_correction=switch("bias_correction", bias_correction), betas=betas, eps=eps,
+                        weight_decay=weight_decay, adam_w_mode=switch("adam_w_mode", adam_w_mode),
+                        grad_averaging=switch("grad_averaging", grad_averaging), max_grad_norm=max_grad_norm,
+                        use_nvlamb=switch("use_nvlamb", use_nvlamb), master_weights=master_weights,
                         rounding=rounding, seed=seed)
         self._check_group(defaults, "")
         super().__init__(params, defaults)
-        self.set_grad_none = bool(set_grad_none)
+        self.set_grad_none = set_grad_none
 
     def _check_group(self, group, where, in_step=False) -> None:
         check_lr(group["lr"], where, read_device=not in_step, read_cpu=not (in_step and group.get("capturable")))
@@ -59,6 +61,12 @@ class FusedLAMB(FusedOptimizer):
         check_number("weight_decay value", group["weight_decay"], where=where)
         check_number("max_grad_norm value", group["max_grad_norm"], where=where)
         check_flags(group, ("bias_correction", "grad_averaging", "adam_w_mode", "use_nvlamb"), where)
+
+    _copied_attrs = FusedOptimizer._copied_attrs + ("set_grad_none",)  # (kept by deepcopy, pickle, torch.save)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("set_grad_none", True)  # (a copy made before it was kept: apex's default)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """apex's: grads are set to None when ``set_grad_none`` (the default), else zeroed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_flags, check_lr, check_number
+from ._base import FusedOptimizer, check_betas, check_common_kwargs, check_flags, check_lr, check_number, switch
 
 
 class FusedLion(FusedOptimizer):
@@ -27,7 +27,7 @@ class FusedLion(FusedOptimizer):
                  master_weights: Union[bool, str, None] = None, rounding: str = "nearest",
                  seed: Optional[int] = None) -> None:
         check_common_kwargs(foreach, fused, False, False)
-        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize), foreach=foreach,
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=switch("maximize", maximize), foreach=foreach,
                         fused=fused, master_weights=master_weights,
                         rounding=rounding, seed=seed)
         self._check_group(defaults, "")

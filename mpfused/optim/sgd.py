@@ -9,7 +9,7 @@ import math
 import torch
 
 from ._base import (FusedOptimizer, check_common_kwargs, check_flags, check_lr, check_number, check_scalar_or_tensor,
-                    device_hyper)
+                    device_hyper, switch)
 
 
 class FusedSGD(FusedOptimizer):
@@ -29,7 +29,7 @@ class FusedSGD(FusedOptimizer):
         if isinstance(weight_decay, torch.Tensor) and weight_decay.dim():
             weight_decay = weight_decay.squeeze()
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach,
+                        nesterov=switch("nesterov", nesterov), maximize=switch("maximize", maximize), foreach=foreach,
                         differentiable=differentiable, fused=fused, master_weights=master_weights,
                         rounding=rounding, seed=seed)
         self._check_group(defaults, "")

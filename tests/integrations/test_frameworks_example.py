@@ -40,6 +40,7 @@ def test_accelerate(algorithm, fresh_accelerate_state):
 
 def test_bad_arguments():
     for argv in (["keras"], ["accelerate", "--clip", "0"], ["accelerate", "--steps", "0"],
-                 ["accelerate", "--log-every", "0"]):
+                 ["accelerate", "--log-every", "0"], ["accelerate", "--steps", "6", "--overflow-step", "6"],
+                 ["accelerate", "--overflow-step", "-1"], ["accelerate", "--lr", "-1"]):
         with pytest.raises(SystemExit):
             example.parse(argv)
