@@ -3,6 +3,7 @@ against torch's own FP32-accumulate error, every epilogue, operand layouts, and 
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -604,6 +605,25 @@ def test_the_hopper_kernel_itself_runs_aligned_operands(device, request, batch, 
     # an empty output launches nothing: the record says so rather than naming the last call's kernel
     mpfused.gemm(a[..., :0, :], b)
     assert _ops._C.gemm_last_cuda_launch() == (None, None)
+
+
+def test_an_operand_whose_rows_overlap_takes_the_wmma_kernel_quietly(device, request):
+    """An expand()ed operand (row stride 0) is aligned, so the Hopper kernel is selected, but its rows overlap: no
+    tensor map's layout. It was handed to the driver's encoder (a refusal there warns, as unexpected); now the
+    Hopper kernel passes it over with the reason, and the WMMA kernel runs it. (On the CPU and with the WMMA
+    kernel: the product itself.)"""
+    kernel = request.node.callspec.params["device"]
+    gen = torch.Generator().manual_seed(3)
+    for dtype in LOW:
+        a = ints((1, 64), dtype, device, gen).expand(136, 64)
+        b = ints((64, 136), dtype, device, gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = mpfused.gemm(a, b, out_dtype=torch.float32)
+        assert torch.equal(out, torch.matmul(a.float(), b.float()))
+        if kernel.startswith("cuda-wgmma"):
+            ran, why = _ops._C.gemm_last_cuda_launch()
+            assert ran == "wmma" and "rows overlap" in why, (ran, why)
 
 
 @requires_cuda

@@ -789,6 +789,14 @@ Sm90Outcome dispatch_layout_sm90(const KernelParams& kp_in, int device, cudaStre
   if (g.k <= 0) return {"K is 0 (no copies to make)", false};
   if (g.m > kMaxCoord || g.n > kMaxCoord || g.k > kMaxCoord || g.batch > kMaxCoord)
     return {"a dimension passes the int32 coordinates of TMA copies", false};
+  // An operand whose rows overlap (a stride below its row's length: an expand()ed tensor, stride 0) is not a
+  // tensor map's layout; the WMMA kernel reads it element by element address.
+  const auto rows_overlap = [](const MatrixRef& m, int64_t rows, int64_t cols) {
+    const int64_t inner = m.col_major ? rows : cols, outer = m.col_major ? cols : rows;
+    return outer > 1 && m.ld < inner;
+  };
+  if (rows_overlap(g.a, g.m, g.k) || rows_overlap(g.b, g.k, g.n))
+    return {"an operand's rows overlap in memory (a stride below the row's length, e.g. an expand()ed tensor)", false};
   Sm90Params p{};
   p.kp = kp_in;
   bool a_batched = false, b_batched = false;

@@ -74,9 +74,12 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
                : "memory");
   return done != 0;
 }
-// Waits for that phase. A wait in the GEMM's pipeline lasts microseconds; one past 2^32 clock cycles (about two
-// seconds) means a phase that will never complete, and the kernel traps: the launch fails instead of hanging.
-constexpr long long kMbarWaitLimitCycles = 1ll << 32;
+// Waits for that phase. A wait in the GEMM's pipeline lasts microseconds; one past 2^37 clock cycles (about 70
+// seconds at 2 GHz) means a phase that will never complete, and the kernel traps: the launch fails instead of
+// hanging. (2^32, two seconds, was too close: compute-sanitizer's racecheck and synccheck slow a kernel by
+// orders of magnitude, a debugger stops warps, and clock64 counts while an SM is switched to other work; a
+// trap there leaves the context unusable for every later call.)
+constexpr long long kMbarWaitLimitCycles = 1ll << 37;
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   if (mbar_try_wait(bar, parity)) return;
   const long long start = clock64();
