@@ -134,7 +134,8 @@ def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("framework", choices=sorted(RUNS))
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--overflow-step", type=int, default=5, help="the step forced to overflow (0-based)")
+    p.add_argument("--overflow-step", type=int, default=None,
+                   help="the step forced to overflow (0-based; default 5, or the last step of a shorter run)")
     p.add_argument("--clip", type=float, default=1.0, help="max norm (or max |value| with --clip-algorithm value)")
     p.add_argument("--clip-algorithm", choices=("norm", "value"), default="norm")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -145,6 +146,8 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if not args.clip > 0:
         p.error(f"--clip must be > 0, got {args.clip}")
+    if args.overflow_step is None:
+        args.overflow_step = min(5, args.steps - 1)
     if not 0 <= args.overflow_step < args.steps:
         p.error(f"--overflow-step must be in [0, --steps), got {args.overflow_step} with --steps {args.steps}")
     if not 0 < args.lr < float("inf"):

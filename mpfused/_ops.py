@@ -183,10 +183,20 @@ def non_finite_check_(
         ops.non_finite_check_(tensors, found_inf, inv_scale, sumsq, overwrite, norm, counter)
 
 
+def is_switch(value) -> bool:
+    """Whether ``value`` is a True/False switch: a bool, numpy's bool, or a number equal to 0 or 1 (Python's
+    and numpy's). Not a string, None or a tensor, which bool() would read as well ("False" as True)."""
+    if value is True or value is False:
+        return True
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):  # (numpy 2 names it "bool")
+        return True
+    return isinstance(value, numbers.Real) and value in (0, 1)
+
+
 def _switch(name: str, value) -> bool:
-    """A True/False argument (0 and 1, numpy's bools too), checked: bool() would take "False" as True."""
-    if value is True or value is False or type(value).__name__ == "bool_" or (
-            isinstance(value, int) and value in (0, 1)):
+    """A True/False argument, checked (is_switch): bool() would take "False" as True."""
+    if is_switch(value):
         return bool(value)
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
@@ -440,7 +450,7 @@ def follow_writes_(params: list, targets: list, stochastic: bool) -> None:
     """Where code outside a step wrote FP16/BF16 params kept with FP32 masters or BF16 remainders
     (``targets[i]``: ``params[i]``'s master, float32, or remainder, int16), the masters take the written
     values and the remainders that would make a NaN become 0, element by element (csrc/core/follow.h):
-    one pass over each param and its target, one launch per list on CUDA. ``stochastic``: the masters were
+    one pass over each param and its target, one launch per 512 tensors on CUDA. ``stochastic``: the masters were
     written with stochastic rounding (a param one of its master's two neighbours keeps the master)."""
     ops.follow_writes_(params, targets, bool(stochastic))
 
@@ -499,6 +509,8 @@ def check_u64(value, name: str, *, numel: int = 0) -> int:
     call's first element): a TypeError/ValueError naming ``name`` otherwise. Under torch.compile an int that
     changes between calls is traced: its range checks become the compiled code's guards (make_fx's symbolic
     mode passes a SymInt, whose range is checked as the traced code runs)."""
+    if isinstance(numel, torch.Tensor):  # torch.jit.trace gives x.numel() as a 0-d tensor: its value now
+        numel = int(numel)
     if isinstance(value, torch.SymInt):
         torch._check(value >= 0, lambda: f"{name} must be in [0, 2**64)")
         torch._check(value + numel <= _U64, lambda: f"{name} + numel must be at most 2**64")
@@ -556,6 +568,11 @@ def philox4x32_10(counters, key) -> torch.Tensor:
         raise ValueError(f"counters must be (n, 4) integer words, got {counters.dtype} of shape {tuple(counters.shape)}")
     if counters.device.type not in ("cpu", "cuda"):  # (a meta tensor's words cannot be range-checked)
         raise ValueError(f"counters must be on the CPU or a CUDA device, got a tensor on {counters.device}")
+    if counters.dtype in (torch.uint16, torch.uint32):  # (words in range already; torch compares few unsigned types)
+        counters = counters.to(torch.int64)
+    elif counters.dtype == torch.uint64:
+        raise ValueError("counters must be words in [0, 2**32): give them as int64, uint32 or int32 (bit patterns), "
+                         "not uint64")
     if counters.dtype != torch.int32 and counters.numel() and (  # int32: taken as the words' bit patterns
             bool((counters < 0).any()) or bool((counters.to(torch.int64) >= 2**32).any())):
         raise ValueError("counters must be words in [0, 2**32) (or an int32 tensor of their bit patterns)")

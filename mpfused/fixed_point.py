@@ -291,6 +291,16 @@ class _FixedPointLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _checked_extra_state(state) -> tuple:
+    """(calls, seed) of a FixedPointLinear's saved state, checked as the constructor checks its seed: a count
+    that is not an int >= 0, or a seed outside [0, 2**64), would silently draw another layer's bits."""
+    calls = state.get("calls") if isinstance(state, dict) else None
+    if type(calls) is not int or calls < 0:
+        raise ValueError(f"a FixedPointLinear's saved state must hold its call count as an int >= 0, got {calls!r} "
+                         f"(the state {state!r})")
+    return calls, _ops.check_u64(state.get("seed"), "the saved state's seed")
+
+
 class FixedPointLinear(nn.Module):
     """A linear layer computed in fixed point, as in Gupta et al.: ``y = Convert(x) @ W^T + b`` where the
     input activation is converted to ``fmt``, ``W`` and ``b`` are held on ``fmt``'s grid, the products are
@@ -336,6 +346,15 @@ class FixedPointLinear(nn.Module):
             raise ValueError(f"input must be a float32 or float64 tensor, got {x.dtype}: the output, a value of fmt "
                              f"{self.fmt} held exactly in float32, is returned in the input's dtype, and {x.dtype} "
                              "would round it again; pass x.float()")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+            # The weight gradient is a MACC over the input's rows (every leading dim flattened): its exact
+            # int64 sum bounds them, where the forward's bounds only in_features. Refused now, not in backward.
+            rows = int(math.prod(x.shape[:-1]))  # (int: under torch.jit.trace the dims are 0-d tensors)
+            bits = self.grad_fmt.wl + self.fmt.wl
+            if bits + max(rows - 1, 0).bit_length() > 64:
+                raise ValueError(f"the weight gradient of a FixedPointLinear with fmt {self.fmt} and grad_fmt "
+                                 f"{self.grad_fmt} is an exact int64 sum over the input's rows: at most 2**{64 - bits}"
+                                 f" rows a call (the leading dims flattened), got {rows}; split the batch")
         # The count advances before the call: a forward that stops midway (activation checkpointing's recompute
         # ends early, from inside the function) must not leave its number to the next call, whose bits it drew.
         call = self.calls
@@ -346,19 +365,22 @@ class FixedPointLinear(nn.Module):
         return {"calls": self.calls, "seed": self.seed}
 
     def set_extra_state(self, state):
-        self.calls, self.seed = int(state["calls"]), int(state["seed"])
+        self.calls, self.seed = _checked_extra_state(state)
+
+
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         # An nn.Linear's state dict (a float model's weights, to train on in fixed point) has no call count and
-        # seed: the layer keeps its own, where strict loading reported a missing key, and the loaded weight and
-        # bias are converted to fmt (to nearest), the grid the layer holds them on.
+        # seed: the layer keeps its own, where strict loading reported a missing key. The loaded weight and bias
+        # are converted to fmt (to nearest), the grid the layer holds them on: a float model's, and another
+        # FixedPointLinear's of another fmt (weights already on the grid are left as loaded).
+        key = prefix + "_extra_state"
+        if key in state_dict:  # checked before anything is loaded
+            _checked_extra_state(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        key = prefix + "_extra_state"
-        if key in state_dict:
-            return
-        if key in missing_keys:
+        if key in missing_keys and key not in state_dict:
             missing_keys.remove(key)
         assign = local_metadata.get("assign_to_params_buffers", False)
         with torch.no_grad():
@@ -367,6 +389,8 @@ class FixedPointLinear(nn.Module):
                 if prefix + name not in state_dict or t is None or t.is_meta:
                     continue
                 on_grid = quantize(t, self.fmt.il, self.fmt.fl)
+                if torch.equal(on_grid, t):
+                    continue
                 if assign:  # the Parameter is the caller's tensor now: rounded into a new one, the caller's kept
                     setattr(self, name, nn.Parameter(on_grid, requires_grad=t.requires_grad))
                 else:

@@ -158,31 +158,43 @@ class FusedLinear(nn.Module):
             if act == "relu":
                 return F.relu(y)
             return F.gelu(y, approximate="tanh" if act == "gelu" else "none")
-        weight, bias = self.weight, self.bias
-        device_type = x.device.type
-        fusable_device = device_type in ("cpu", "cuda")
-        if fusable_device and x.is_floating_point() and torch.is_autocast_enabled(device_type) and not any(
-                _ops.intercepts_dispatch(t) for t in (x, weight, bias)):
-            dtype = torch.get_autocast_dtype(device_type)
-            if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
-                with torch.autocast(device_type, enabled=False):
-                    return self._fused(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-        if (fusable_device and x.dtype in _LOW_PRECISION and weight.dtype == x.dtype
-                and (bias is None or bias.dtype == x.dtype)
-                and not any(_ops.intercepts_dispatch(t) for t in (x, weight, bias))):
-            return self._fused(x, weight, bias)
-        return _activate(F.linear(x, weight, bias), self.activation)
+        return _linear_forward(x, self.weight, self.bias, self.activation, self.in_features, self.out_features)
 
-    def _fused(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise RuntimeError(f"{type(self).__name__}: the input's last dim must be in_features={self.in_features}, "
-                               f"got an input of shape {tuple(x.shape)}")
-        if _gemm_unsupported(x.device, x.dtype):  # BF16 on a GPU older than sm_80: torch's matmul, warned once
-            return _activate(F.linear(x, weight, bias), self.activation)
-        lead = x.shape[:-1]
-        x2d = x.reshape(math.prod(lead), self.in_features)
-        out = _fused_linear(x2d, weight, bias, self.activation)
-        return out.reshape(*lead, self.out_features)
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                    in_features: int, out_features: int) -> torch.Tensor:
+    """FusedLinear's forward (a function of its own, which torch.fx.symbolic_trace records as one call: its
+    branches on the input's device and dtype cannot take a traced value). A nested input takes torch's linear."""
+    device_type = x.device.type
+    fusable_device = device_type in ("cpu", "cuda") and not x.is_nested
+    if fusable_device and x.is_floating_point() and torch.is_autocast_enabled(device_type) and not any(
+            _ops.intercepts_dispatch(t) for t in (x, weight, bias)):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
+            with torch.autocast(device_type, enabled=False):
+                return _fused_forward(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+                                      activation, in_features, out_features)
+    if (fusable_device and x.dtype in _LOW_PRECISION and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)
+            and not any(_ops.intercepts_dispatch(t) for t in (x, weight, bias))):
+        return _fused_forward(x, weight, bias, activation, in_features, out_features)
+    return _activate(F.linear(x, weight, bias), activation)
+
+
+torch.fx.wrap("_linear_forward")
+
+
+def _fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                   in_features: int, out_features: int) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise RuntimeError(f"FusedLinear: the input's last dim must be in_features={in_features}, got an input of "
+                           f"shape {tuple(x.shape)}")
+    if _gemm_unsupported(x.device, x.dtype):  # BF16 on a GPU older than sm_80: torch's matmul, warned once
+        return _activate(F.linear(x, weight, bias), activation)
+    lead = x.shape[:-1]
+    x2d = x.reshape(math.prod(lead), in_features)
+    out = _fused_linear(x2d, weight, bias, activation)
+    return out.reshape(*lead, out_features)
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import struct
+import weakref
 import numbers
 import warnings
 from collections import abc, defaultdict
@@ -174,20 +175,26 @@ def _check_clamp(name: str, value) -> Optional[float]:
     return v
 
 
-_TAKES_SCALING: dict = {}
+_TAKES_SCALING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _step_takes_scaling(cls: type) -> bool:
-    """Whether ``cls.step`` takes the ``scaling`` keyword (FusedOptimizer.step does; a subclass may override
-    it with torch's ``step(self, closure=None)``). Answered once per class."""
-    takes = _TAKES_SCALING.get(cls)
-    if takes is None:
-        try:
-            params = inspect.signature(cls.step).parameters.values()
-            takes = any(p.name == "scaling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        except (TypeError, ValueError):  # (a step without a signature to read: the keyword is not tried)
-            takes = False
-        _TAKES_SCALING[cls] = takes
+    """Whether ``cls.step`` names the ``scaling`` keyword (FusedOptimizer.step does; a subclass may override it
+    with torch's ``step(self, closure=None)``, or take ``**kwargs`` that it may not pass on). Answered once per
+    step function (a class's step replaced later is asked again; the cache keeps no function alive)."""
+    step = cls.step
+    try:
+        return _TAKES_SCALING[step]
+    except (KeyError, TypeError):
+        pass
+    try:
+        takes = "scaling" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # (a step without a signature to read: the keyword is not tried)
+        takes = False
+    try:
+        _TAKES_SCALING[step] = takes
+    except TypeError:  # (not weakly referenceable)
+        pass
     return takes
 
 
@@ -200,7 +207,9 @@ class GradScaler(torch.amp.GradScaler):
     - ``process_group``: found_inf is all-reduced (MAX) so that every rank skips together, and
       clip_grad_norm_ clips by the global norm. Then ``grad_sharding`` is required: ``"replicated"``
       (DDP: every rank holds the whole gradient, so the local norm is the global one) or ``"sharded"``
-      (FSDP1, ZeRO: each rank holds a part; the squares are summed over the ranks).
+      (FSDP1, ZeRO: each rank holds a part; the squares are summed over the ranks). Without a process_group
+      ``grad_sharding`` is ignored (one process: its norm is the global one), so ``process_group=pg if
+      dist.is_initialized() else None`` beside a fixed ``grad_sharding`` works in both.
     - DTensor params (FSDP2, HSDP, tensor parallel) need no argument: the kernels take the local shards of
       their grads, found_inf is all-reduced (MAX) over every rank of the params' mesh, and a grad's squares
       are summed over the mesh dims where its param is sharded, not where it is replicated (HSDP: within
@@ -246,9 +255,6 @@ class GradScaler(torch.amp.GradScaler):
                 raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh, got {type(device_mesh).__name__}")
         if grad_sharding is not None and grad_sharding not in _SHARDINGS:
             raise ValueError(f"grad_sharding must be None, 'replicated' or 'sharded', got {grad_sharding!r}")
-        if grad_sharding is not None and process_group is None:
-            raise ValueError(f"grad_sharding={grad_sharding!r} says how the grads are spread over a process_group's "
-                             "ranks, and no process_group was given (without one, every norm is this rank's alone)")
         if process_group is not None and not (torch.distributed.is_available()
                                               and isinstance(process_group, torch.distributed.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD, or one "
@@ -707,6 +713,18 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if not _step_takes_scaling(type(optimizer)):
+            # A subclass whose own step() has no `scaling` keyword (torch's step(closure=None)): stepped as
+            # torch's scaler steps an optimizer without native scaling. The grads are unscaled (and clipped) in
+            # place first, and the step is taken only where none overflowed: a host read of found_inf, one sync.
+            # (Handing the scaling beside the call would rely on the subclass calling FusedOptimizer.step once.)
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            retval = None
+            if not sum(v.item() for v in state["found_inf_per_device"].values()):
+                retval = optimizer.step(*args, **kwargs)
+            state["stage"] = OptState.STEPPED
+            return retval
         if state["stage"] is OptState.READY and not state["found_inf_per_device"]:
             self._check_inf_per_device(optimizer)
         found = list(state["found_inf_per_device"].values())
@@ -715,16 +733,7 @@ class GradScaler(torch.amp.GradScaler):
             inv_scale=self._inv_scale if state["stage"] is not OptState.UNSCALED else None,
             found_inf=(found[0] if len(found) == 1 else sum(copy_to(f, home) for f in found)) if found else None,
             clip=(clip["sumsq"], clip["max_norm"]) if clip["max_norm"] is not None else None)
-        if _step_takes_scaling(type(optimizer)):
-            retval = optimizer.step(*args, scaling=scaling, **kwargs)
-        else:
-            # A subclass's own step(closure=None) that calls FusedOptimizer.step: the scaling travels beside
-            # the call, for that step to take (as torch's scaler sets grad_scale and found_inf around step()).
-            optimizer.__dict__["_mpf_scaling"] = scaling
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                optimizer.__dict__.pop("_mpf_scaling", None)
+        retval = optimizer.step(*args, scaling=scaling, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
 

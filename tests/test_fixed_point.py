@@ -877,3 +877,59 @@ def test_linear_loads_an_nn_linear_state_dict_onto_its_grid():
     assert all(torch.equal(source[k], kept[k]) for k in source)
     assert torch.equal(assigned.weight.detach(), fxp.quantize(kept["weight"], 4, 8))
     assert isinstance(assigned.weight, torch.nn.Parameter) and assigned.weight.requires_grad
+
+
+def test_jit_trace_takes_the_roundings():
+    """torch.jit.trace gives x.numel() as a 0-d tensor: the offset's range check compared it with 2**64 and
+    raised OverflowError, so nothing that rounds stochastically or quantizes could be traced."""
+    import warnings
+    x = torch.randn(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        sr = torch.jit.trace(lambda t: mpfused.round_stochastic(t, torch.bfloat16, seed=1, offset=5), (x,))
+        q = torch.jit.trace(lambda t: fxp.quantize(t, 4, 8, rounding="stochastic", seed=2), (x,))
+        layer = fxp.FixedPointLinear(8, 3, (4, 8), rounding="nearest")
+        traced = torch.jit.trace(layer, (x.view(1, 8),), check_trace=False)  # (its call count is a constant)
+    y = torch.randn(8)
+    assert torch.equal(sr(y), mpfused.round_stochastic(y, torch.bfloat16, seed=1, offset=5))
+    assert torch.equal(q(y), fxp.quantize(y, 4, 8, rounding="stochastic", seed=2))
+    assert torch.equal(traced(y.view(1, 8)), layer(y.view(1, 8)))
+
+
+def test_a_batch_too_large_for_the_weight_gradients_sum_is_refused_in_forward():
+    """The weight gradient is an exact int64 MACC over the input's rows: with 24-bit words at most 2**16 rows.
+    The forward took 70,000 rows and the backward raised; now the forward refuses them, naming the limit,
+    and a forward that needs no gradient takes them."""
+    layer = fxp.FixedPointLinear(4, 3, (8, 16))
+    with pytest.raises(ValueError, match=r"at most 2\*\*16 rows a call .* got 70000"):
+        layer(torch.randn(70_000, 4, requires_grad=True))
+    assert layer.calls == 0
+    layer(torch.randn(2**16, 4, requires_grad=True)).sum().backward()  # the limit itself
+    with torch.no_grad():
+        assert layer(torch.randn(70_000, 4)).shape == (70_000, 3)
+
+
+@pytest.mark.parametrize("bad", [dict(calls=-7, seed=3), dict(calls=2.9, seed=3), dict(calls=1, seed=2**64 + 3),
+                                 dict(calls=1, seed="12"), "not a dict"])
+def test_a_saved_state_with_a_bad_count_or_seed_is_refused_before_loading(bad):
+    """A seed past 2**64 drew the bits of the seed modulo 2**64 (another layer's), a count of -7 wrapped:
+    both were taken in silence. Now refused as the constructor refuses them, before the weights load."""
+    layer = fxp.FixedPointLinear(4, 3, (4, 8))
+    sd, before = layer.state_dict(), layer.weight.detach().clone()
+    sd["weight"], sd["_extra_state"] = torch.zeros_like(sd["weight"]), bad
+    with pytest.raises((ValueError, TypeError)):
+        layer.load_state_dict(sd)
+    assert torch.equal(layer.weight, before) and layer.calls == 0
+
+
+def test_weights_of_another_format_are_loaded_onto_this_layers_grid():
+    """A state dict saved by a FixedPointLinear of a finer fmt (it has a call count and seed) loaded its weights
+    as they were, off this layer's grid."""
+    fine = fxp.FixedPointLinear(4, 3, (4, 12), seed=5)
+    coarse = fxp.FixedPointLinear(4, 3, (4, 4))
+    coarse.load_state_dict(fine.state_dict())
+    assert torch.equal(coarse.weight, fxp.quantize(fine.weight.detach(), 4, 4)) and coarse.seed == 5
+    same = fxp.FixedPointLinear(4, 3, (4, 12))
+    sd = fine.state_dict()
+    same.load_state_dict(sd, assign=True)  # on the grid already: the loaded tensor is the param, as assign says
+    assert same.weight.data_ptr() == sd["weight"].data_ptr()

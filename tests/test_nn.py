@@ -476,3 +476,29 @@ def test_exports():
     assert mpfused.gemm is mpfused.functional.gemm
     for name in ("gemm", "functional", "nn"):
         assert name in mpfused.__all__
+
+
+def test_fx_symbolic_trace_takes_a_converted_model():
+    """FusedLinear's forward branched on the input's device and dtype, which a torch.fx proxy cannot answer: a
+    model through convert_linear no longer traced (FX quantization, feature extractors). The forward is now one
+    wrapped call in the graph, and the traced module computes what the module does."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    mpfused.nn.convert_linear(m)
+    gm = torch.fx.symbolic_trace(m)
+    assert sum(n.op == "call_function" and n.target.__name__ == "_linear_forward" for n in gm.graph.nodes) == 2
+    x = torch.randn(3, 4).half()
+    assert torch.equal(gm(x), m(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_nested_input_takes_torchs_linear(dtype):
+    """A strided nested tensor has no single shape: the fused path raised torch's internal error; it takes
+    torch's linear, as nn.Linear does."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 4, dtype=dtype)
+    fused = mpfused.nn.FusedLinear(8, 4, dtype=dtype)
+    fused.load_state_dict(ref.state_dict())
+    x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], dtype=dtype)
+    for a, b in zip(fused(x).unbind(), ref(x).unbind()):
+        assert torch.equal(a, b)

@@ -818,7 +818,9 @@ def test_a_constructor_switch_that_is_not_a_bool_is_refused(cls, name):
     kw = dict(momentum=0.9) if cls is FusedSGD else {}
     with pytest.raises(ValueError, match=f"Invalid {name}: expected True or False, got 'no'"):
         cls([torch.nn.Parameter(torch.zeros(3))], **kw, **{name: "no"})
-    assert cls([torch.nn.Parameter(torch.zeros(3))], **kw, **{name: 0}).param_groups[0][name] is False
+    import numpy as np
+    for value, want in ((0, False), (np.True_, True), (np.False_, False), (np.int64(1), True), (None, False)):
+        assert cls([torch.nn.Parameter(torch.zeros(3))], **kw, **{name: value}).param_groups[0][name] is want
 
 
 @pytest.mark.parametrize("arg", ["unscale", "overwrite"])
@@ -827,3 +829,6 @@ def test_a_check_switch_that_is_not_a_bool_is_refused_before_writing(arg):
     with pytest.raises(ValueError, match=f"{arg} must be True or False, got 'False'"):
         mpfused.non_finite_check_([x], found, torch.full((1,), 0.5), **{arg: "False"})
     assert x.tolist() == [4.0] * 3 and found.item() == 1.0
+    import numpy as np  # numpy's bools are switches (numpy 2 names their type "bool")
+    mpfused.non_finite_check_([x], found, torch.full((1,), 0.5), **{arg: np.True_})
+    assert x.tolist() == ([2.0] * 3 if arg == "unscale" else [4.0] * 3) and found.item() == (0.0 if arg == "overwrite" else 1.0)

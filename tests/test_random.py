@@ -361,3 +361,13 @@ def test_philox_counters_on_meta_are_refused_by_name():
     """A meta tensor's words cannot be range-checked: the check itself raised torch's internal error."""
     with pytest.raises(ValueError, match="counters must be on the CPU or a CUDA device, got a tensor on meta"):
         mpfused.random.philox4x32_10(torch.zeros(2, 4, dtype=torch.int64, device="meta"), (0, 0))
+
+
+def test_philox_takes_uint32_counters():
+    """uint32 is the natural dtype of Philox words: the range check raised NotImplementedError ('lt_cpu' not
+    implemented for 'UInt32')."""
+    words = [[1, 2, 3, 2**32 - 1], [0, 0, 0, 0]]
+    as_u32 = mpfused.random.philox4x32_10(torch.tensor(words, dtype=torch.int64).to(torch.uint32), (7, 9))
+    assert torch.equal(as_u32, mpfused.random.philox4x32_10(words, (7, 9)))
+    with pytest.raises(ValueError, match="not uint64"):
+        mpfused.random.philox4x32_10(torch.zeros(1, 4, dtype=torch.uint64), (0, 0))

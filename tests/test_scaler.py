@@ -297,7 +297,6 @@ def test_scale_handles_nested_outputs(device):
     (dict(init_scale=2.0**30, max_scale=2.0**24), r"init_scale .* must lie in"),
     (dict(process_group=object()), "grad_sharding must be 'replicated'"),
     (dict(grad_sharding="zero"), "grad_sharding must be None"),
-    (dict(grad_sharding="sharded"), "no process_group was given"),  # (was ignored: every norm this rank's)
     (dict(dynamic="no"), "Invalid dynamic: expected True or False"),  # (bool("no") is True: it was dynamic)
 ])
 def test_invalid_arguments_raise_value_error(kwargs, message):
@@ -802,30 +801,60 @@ class _CountingAdamW(FusedAdamW):
         return super().step(closure)
 
 
+class _TwiceAdamW(FusedAdamW):
+    """A subclass whose step() calls FusedOptimizer.step twice (two updates an iteration)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        return super().step(closure)
+
+
+class _OwnAdamW(FusedAdamW):
+    """A subclass whose step() never reaches FusedOptimizer.step: a plain SGD update of its own."""
+
+    def step(self, closure=None, **kwargs):  # (**kwargs taken and not passed on)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+
 @pytest.mark.parametrize("clip", [False, True])
 @pytest.mark.parametrize("bad", [False, True])
 def test_scaler_steps_a_subclass_whose_step_takes_no_scaling(clip, bad):
     """mpfused.GradScaler hands a fused optimizer its scaling as step(scaling=...); a subclass's own
-    step(closure=None) cannot take it, and got a TypeError. The scaling now travels beside the call to the
-    fused step the subclass calls, with the same result as the plain class (skipped on an inf, clipped)."""
-    results = []
-    for cls in (FusedAdamW, _CountingAdamW):
-        p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
-        opt, scaler = cls([p], lr=0.1), mpfused.GradScaler("cpu", init_scale=8.0)
-        for it in range(3):
-            loss = (p * p).sum() * (math.inf if bad and it == 1 else 1.0)
-            scaler.scale(loss).backward()
-            if clip:  # (deferred into the step: the clip travels with the scaling)
-                scaler.clip_grad_norm_(opt, 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-        results.append((p.detach().clone(), scaler.get_scale(), float(opt.state[p]["step"])))
-        assert "_mpf_scaling" not in opt.__dict__
-    assert _CountingAdamW.calls == 3
-    _CountingAdamW.calls = 0
-    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
-    assert results[0][2] == (2.0 if bad else 3.0)
+    step(closure=None) cannot take it, and got a TypeError. Such a subclass is now stepped as torch's scaler
+    steps an optimizer without native scaling (grads unscaled and clipped in place, the step skipped on a host
+    read of found_inf): the same result as the plain class (skipped on an inf, clipped), whatever the subclass's
+    step does with the grads (calls FusedOptimizer.step twice, or never)."""
+    for sub in (_CountingAdamW, _TwiceAdamW, _OwnAdamW):
+        results = []
+        for cls in (FusedAdamW, sub):
+            p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+            opt, scaler = cls([p], lr=0.1), mpfused.GradScaler("cpu", init_scale=8.0)
+            grads, params = [], [p.detach().clone()]
+            for it in range(3):
+                loss = (p * p).sum() * (math.inf if bad and it == 1 else 1.0)
+                scaler.scale(loss).backward()
+                if clip:  # (deferred into the step, or applied by the unscale_ before a subclass's step)
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+                grads.append(p.grad.clone())
+                params.append(p.detach().clone())
+                opt.zero_grad()
+            results.append((params, scaler.get_scale(), grads))
+        (params0, scale0, grads0), (params1, scale1, grads1) = results
+        assert scale0 == scale1
+        assert torch.allclose(grads0[0], grads1[0])  # the first iteration's grads, unscaled (and clipped) alike
+        if bad:  # the overflowing iteration is skipped: no param moves
+            assert torch.equal(params1[2], params1[1]) and torch.equal(params0[2], params0[1])
+        assert all(torch.isfinite(q).all() for q in params1)
+        if sub is _CountingAdamW:
+            assert torch.equal(params0[-1], params1[-1])
+            assert _CountingAdamW.calls == 3 - bad  # (the skipped step is not called)
+            _CountingAdamW.calls = 0
 
 
 def test_a_process_group_that_is_not_one_is_refused_when_made():

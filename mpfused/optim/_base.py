@@ -102,7 +102,10 @@ def check_scalar_or_tensor(name: str, value, lo: float = 0.0, hi: float = math.i
 
 def switch(name: str, value) -> bool:
     """A constructor's switch (maximize, amsgrad, nesterov, ...) as a bool, checked as check_flags checks a
-    group's: bool() would take any object, and maximize="no" would maximize."""
+    group's: bool() would take any object, and maximize="no" would maximize. None is False (torch's
+    optimizers read the switch as a truth value)."""
+    if value is None:
+        return False
     check_flags({name: value}, (name,))
     return bool(value)
 
@@ -113,8 +116,7 @@ def check_flags(group: dict, names: tuple, where: str = "") -> None:
     own check, after the groups before it were stepped."""
     for name in names:
         value = group[name]
-        if not (value is True or value is False or type(value).__name__ == "bool_"  # (numpy's bool)
-                or (_is_real(value) and value in (0, 1))):
+        if not _ops.is_switch(value):
             raise ValueError(f"Invalid {name}: expected True or False, got {value!r}{where}")
 
 
@@ -485,7 +487,7 @@ def _follow_writes(followed: tuple, seen) -> None:
     The full path calls this, after every check and before the kernels; the planned path leaves a step
     whose params with masters or remainders moved to the full path (_StepPlan). The rules are applied by
     one pass over each moved param and its master or remainder (``torch.ops.mpfused.follow_writes_``,
-    csrc/core/follow.h; one launch on CUDA, no read on the host), which writes a block of masters only
+    csrc/core/follow.h; one launch per 512 tensors on CUDA, no read on the host), which writes a block of masters only
     where one of its elements changes."""
     params, targets, moved, stochastic = [], [], [], False
     for p, master, remainder, stoch in followed:
@@ -1200,8 +1202,6 @@ class FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if scaling is None and "_mpf_scaling" in self.__dict__:
-            scaling = self.__dict__.pop("_mpf_scaling")  # mpfused.GradScaler's, through a subclass's own step()
         if scaling is None:
             # torch.amp.GradScaler's protocol: the scale S itself and the summed found_inf, set around step()
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
@@ -1307,7 +1307,8 @@ class FusedOptimizer(Optimizer):
         # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
         # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        if write_grad and not compiling and not torch.is_inference_mode_enabled():
+        if write_grad and not compiling:
+            inference = torch.is_inference_mode_enabled()  # (there an inference grad can be written)
             # Grads this step cannot write back are refused before any group is written (the operator refuses
             # some too, but only for its own call's groups): an inference grad, outside inference mode; one that
             # overlaps itself (an expand()ed view), where it goes through a copy (laid out unlike its param)
@@ -1316,7 +1317,7 @@ class FusedOptimizer(Optimizer):
                 for p in params:
                     g = _dist.local(p.grad) if dtensors else p.grad
                     lp = _dist.local(p) if dtensors else p
-                    if g.is_inference():
+                    if not inference and g.is_inference():
                         why = ("is an inference tensor (made under torch.inference_mode())", RuntimeError,
                                "make the grad outside inference mode")
                     elif g.stride() != lp.stride() and not same_layout(g, lp) and \

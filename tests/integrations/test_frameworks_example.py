@@ -38,6 +38,11 @@ def test_accelerate(algorithm, fresh_accelerate_state):
     assert result["schedule_steps"] == STEPS - 1  # the schedule held on the skipped step
 
 
+def test_a_short_run_forces_its_overflow_on_its_last_step():
+    assert example.parse(["accelerate", "--steps", "3"]).overflow_step == 2  # (the default 5 is past the run)
+    assert example.parse(["accelerate"]).overflow_step == 5
+
+
 def test_bad_arguments():
     for argv in (["keras"], ["accelerate", "--clip", "0"], ["accelerate", "--steps", "0"],
                  ["accelerate", "--log-every", "0"], ["accelerate", "--steps", "6", "--overflow-step", "6"],

@@ -630,10 +630,11 @@ void test_follow(std::mt19937& rng) {
       std::vector<Buf> params, host, device;
       std::vector<FollowTensor> th, td;
       for (int t = 0; t < count; ++t) {
-        const int64_t n = count > 3 ? 1 + static_cast<int64_t>(rng() % 40) : sizes[rng() % sizes.size()];
+        const int64_t n = count > 3 ? 1 + static_cast<int64_t>(rng() % 40)
+                          : t == 0 ? sizes.back() : sizes[rng() % sizes.size()];
         const DType d = rng() % 2 ? DType::kFloat16 : DType::kBFloat16;
         const bool remainder = d == DType::kBFloat16 && rng() % 3 == 0;
-        const size_t off = (rng() % 8) * 2;
+        const size_t off = count == 3 && t == 0 ? 0 : (rng() % 8) * 2;
         Buf q(n * 2, off), target(n * (remainder ? 2 : 4), remainder ? off : (rng() % 4) * 4);
         for (int64_t i = 0; i < n; ++i) {
           float m = rng() % 4 == 0 ? specials[rng() % 10] : normal(rng);
@@ -649,8 +650,12 @@ void test_follow(std::mt19937& rng) {
           if (remainder) target.as<int16_t>()[i] = static_cast<int16_t>(rng());
           else target.as<float>()[i] = m;
         }
-        const size_t esize = remainder ? 2 : 4;  // the device's copy at an alignment of its own
-        Buf hb = target.clone(static_cast<size_t>(target.data - target.mem.get())), db = target.clone((rng() % 8) * esize % 16);
+        // The device's copy at an alignment of its own; the first tensor of the short list has everything
+        // 16-byte aligned (the vector path over several chunks; random offsets reach it 1 time in 32).
+        const size_t esize = remainder ? 2 : 4;
+        const bool aligned = count == 3 && t == 0;
+        Buf hb = target.clone(static_cast<size_t>(target.data - target.mem.get())),
+            db = target.clone(aligned ? 0 : (rng() % 8) * esize % 16);
         th.push_back({q.data, remainder ? nullptr : hb.as<float>(), remainder ? hb.as<int16_t>() : nullptr, n, d});
         td.push_back({q.data, remainder ? nullptr : db.as<float>(), remainder ? db.as<int16_t>() : nullptr, n, d});
         params.push_back(std::move(q));
