@@ -71,9 +71,12 @@ the harness's copy roof, measured interleaved with the section):
   16 = 22, for either rounding (stochastic rounding adds Philox arithmetic, no traffic).
 - AdamW on BF16 params with remainders: param read + write 4, remainder read + write 4, grad 2, moments 16
   = 26; with FP32 masters: master read + write 8, param write 2, grad 2, moments 16 = 28.
-- follow: our step with FP32 masters and no unscale 28, the clamp_ of the FP16 params (read + write 4), and
-  following it (param read 2, master read + write 8 where the clamp changed a block) = 42. torch's pipeline is
-  charged the same, though it moves about 48 (grads to FP32 6, AdamW 28, the masters' clamp_ 8, the copy 6).
+- follow: our step with FP32 masters and no unscale 28, the clamp_ of the FP16 params (one clamp_ per
+  tensor: read + write 4), and following it (param read 2, master read + write 8 where the clamp changed a
+  block) = 42. torch's pipeline is charged the same, though it moves about 48 (grads to FP32 6, AdamW 28, the
+  masters' clamp_ 8, the copy 6). A write between steps sends our step down its full path (per-param Python,
+  a few microseconds a param): at 2M params (--quick) that host time outweighs the memory work and our row
+  is the slower one; from about 50M params on the CPU the memory work dominates.
 - AdamW O2: 30 (FP32 master read + write 8, FP16/BF16 grad read + write of the unscaled value 4, moments
   16, FP16/BF16 param write 2) plus 2 for the inf check (the grads read once more) = 32; ``step()`` alone:
   30. torch's pipeline is charged the same 32 B per param (the job), though it moves about 44 (a: 4, b: 6,
@@ -271,6 +274,7 @@ class Method:
     finite_tensors: Callable[[], list[torch.Tensor]] = lambda: []
     flags: Callable[[], list[torch.Tensor]] = lambda: []  # found_inf flags that must stay 0
     note: str = ""
+    check: Callable[[], str] = lambda: ""  # after the run: "" when the method did its job, else what went wrong
 
 
 def counted(fn: Callable[[], object], calls: list) -> Callable[[], object]:
@@ -498,14 +502,22 @@ def follow_section(sizes: list[int], device: torch.device) -> Section:
         def run(opt=opt, params=params, clip=clip) -> None:
             if clip:
                 with torch.no_grad():
-                    torch._foreach_clamp_min_(params, -CLAMP)
-                    torch._foreach_clamp_max_(params, CLAMP)
+                    for p in params:  # (one pass each: torch has no foreach clamp of both ends)
+                        p.clamp_(-CLAMP, CLAMP)
             opt.step()
 
         def finite(opt=opt, params=params) -> list[torch.Tensor]:
             return list(params) + [opt.state[p]["master_param"] for p in params if "master_param" in opt.state[p]]
+
+        def followed(opt=opt, params=params, clip=clip) -> str:
+            # The step after a clamp_ starts from the clamped values: its masters lie within one update of the
+            # bound. Masters that did not follow drift past it step after step.
+            if not clip:
+                return ""
+            worst = max(float(opt.state[p]["master_param"].abs().max()) for p in params if p.numel())
+            return "" if worst <= CLAMP + 2 * LR else f"masters up to {worst:.6f}, past the clamp {CLAMP} + 2 lr: not followed"
         methods.append(method(name, "mpfused", run, BYTES_FOLLOW if clip else BYTES_MASTERS_NO_UNSCALE,
-                              anchor=anchor, step_count=first_step(opt), finite_tensors=finite))
+                              anchor=anchor, step_count=first_step(opt), finite_tensors=finite, check=followed))
 
     lp = [p.detach() for p in make_params(randn_list(sizes, device, SEED, dtype=torch.float16), grads)]
     masters = make_params([p.float() for p in lp], [torch.zeros(p.shape, device=device) for p in lp])
@@ -516,13 +528,18 @@ def follow_section(sizes: list[int], device: torch.device) -> Section:
     def torch_clip() -> None:
         torch._foreach_copy_(master_grads, grads)
         topt.step()
-        torch._foreach_clamp_min_(master_data, -CLAMP)
-        torch._foreach_clamp_max_(master_data, CLAMP)
+        for m in master_data:  # (one pass each, as ours)
+            m.clamp_(-CLAMP, CLAMP)
         torch._foreach_copy_(lp, master_data)
+
+    def torch_clipped() -> str:
+        worst = max(float(m.abs().max()) for m in master_data if m.numel())
+        return "" if worst <= CLAMP else f"masters up to {worst:.6f}, past the clamp {CLAMP}"
 
     how = "fused=True" if not fused_reason else f"foreach=True (fused n/a: {fused_reason})"
     methods.append(method(TORCH_FOLLOW, "torch", torch_clip, BYTES_FOLLOW, anchor=ANCHOR_O2_CLIP,
-                          step_count=first_step(topt), finite_tensors=lambda: lp + master_data, note=how))
+                          step_count=first_step(topt), finite_tensors=lambda: lp + master_data, note=how,
+                          check=torch_clipped))
     model = (f"{BYTES_FOLLOW} B/param: the step with FP32 masters {BYTES_MASTERS_NO_UNSCALE}, the clamp_ 4, following "
              f"it 10; our step alone {BYTES_MASTERS_NO_UNSCALE}")
     return Section("follow", f"FP16 AdamW with FP32 masters, a clamp_ to +-{CLAMP} of every param before every step",
@@ -939,6 +956,7 @@ def measure_section(section: Section, args: argparse.Namespace, probe: RoofProbe
                 "steps_match_calls": None if steps is None else steps == m.calls[0],
                 "found_inf_after": flags,
                 "finite_after": all_finite(m.finite_tensors()),
+                "check_after": m.check(),
             })
         records.append(rec)
     return roofs, records
@@ -1112,12 +1130,14 @@ def print_checks(records: list[dict]) -> bool:
             problems.append(f"found_inf set {r['found_inf_after']}")
         if r["steps_match_calls"] is False:
             problems.append(f"step count {r['step_count']} != {r['calls']} calls (steps were skipped)")
+        if r.get("check_after"):
+            problems.append(r["check_after"])
         if problems:
             ok = False
             print_text(f"  CHECK FAILED [{r['section']}] {r['method']}: {'; '.join(problems)}")
     if ok:
         print_text("checks after the run: every param and master finite, found_inf still 0, step counts equal to the "
-                   "calls made (no step skipped)")
+                   "calls made (no step skipped), each section's own checks (follow: the masters within the clamp)")
     return ok
 
 
@@ -1216,7 +1236,12 @@ def main() -> None:
                   "traffic_model_bytes_per_param": {"fp32_adam": BYTES_FP32_ADAM, "fp32_sgd": BYTES_FP32_SGD,
                                                     "fp32_lamb": BYTES_FP32_LAMB, "fp32_lion": BYTES_FP32_LION,
                                                     "o2_adamw": BYTES_O2, "o2_adamw_step_only": BYTES_O2_STEP,
-                                                    "torch_o2_pipeline_actual": BYTES_TORCH_O2_ACTUAL}}
+                                                    "o2_adamw_no_grad_write": BYTES_O2_STEP_NO_WRITE,
+                                                    "torch_o2_pipeline_actual": BYTES_TORCH_O2_ACTUAL,
+                                                    "lowp_no_master": BYTES_LOWP_NO_MASTER,
+                                                    "remainder": BYTES_REMAINDER,
+                                                    "fp32_masters_no_unscale": BYTES_MASTERS_NO_UNSCALE,
+                                                    "follow_clamp_step": BYTES_FOLLOW}}
         write_json(out, machine, roofs, records, config=config, targets=targets, checks_ok=checks_ok,
                    roofs_interleaved={k: r.to_dict() for k, r in roofs_by_section.items()})
         print_text(f"wrote {out}")
