@@ -187,6 +187,36 @@ class _CastingForward:
         return out
 
 
+class _ReplicaCasting:
+    """``_replicate_for_data_parallel`` of a module whose forward amp replaced (set on the instance). nn.DataParallel
+    makes its replicas with it: a shallow copy of the module's ``__dict__``, so each replica's casting forward would
+    call the original module's forward, on the original's params (on device 0). The replica's is rebound to the
+    replica. A plain object, as _CastingForward: deepcopy and pickle rebind or keep it with the module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> nn.Module:
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        replica.__dict__.pop("_replicate_for_data_parallel", None)  # (the original's: a replica is not replicated)
+        fwd = replica.__dict__.get("forward")
+        if isinstance(fwd, _CastingForward) and fwd.module is self.module:
+            fwd = copy.copy(fwd)
+            fwd.module = replica
+            inner = fwd.inner
+            if inner is not None and getattr(inner, "__self__", None) is self.module:  # a bound method of the original
+                fwd.inner = inner.__func__.__get__(replica)
+            replica.forward = fwd
+        return replica
+
+
+def _cast_forward(module: nn.Module, **kw) -> None:
+    """Replaces ``module``'s forward by a _CastingForward (``kw``: its settings), and its replication for
+    nn.DataParallel by one that rebinds the replica's."""
+    module.forward = _CastingForward(module, **kw)
+    module._replicate_for_data_parallel = _ReplicaCasting(module)
+
+
 def _replaced_step(self, *args, **kwargs):
     """The step of an optimizer that amp.initialize replaced by a fused one: bound to it as a method (LR
     schedulers wrap ``optimizer.step.__func__``); torch's optimizers pickle without it."""
@@ -477,7 +507,7 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                 for p in module._parameters.values():
                     if p is not None:
                         seen.add(id(p))
-                module.forward = _CastingForward(module, input_dtype=torch.float32, output_dtype=props.dtype,
+                _cast_forward(module, input_dtype=torch.float32, output_dtype=props.dtype,
                                                  output_from=(torch.float32,))
                 continue
             originals.update(_cast_module_(module, props.dtype, seen))
@@ -503,11 +533,11 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                         else:
                             state["master_param"] = o if same_layout(o, p) else like(o, p, torch.float32)
                             state.pop("master_remainder", None)
-        model.forward = _CastingForward(
+        _cast_forward(
             model, input_dtype=props.dtype if props.cast_inputs else None,
             output_dtype=torch.float32 if props.outputs_fp32 else None, output_from=_LOW_DTYPES)
     elif props.autocast:
-        model.forward = _CastingForward(model, autocast=props.dtype, output_dtype=torch.float32,
+        _cast_forward(model, autocast=props.dtype, output_dtype=torch.float32,
                                         output_from=_LOW_DTYPES)
     model._mpfused_amp = props
 

@@ -776,3 +776,31 @@ def test_o2_tracks_o0_over_100_steps(device, dtype):
     assert max(gaps) <= tol, (max(gaps), tol)
     assert o0[0] - o0[-1] > 100 * tol
     assert max(abs(a - b) for a, b in zip(o0, run("O0", lr=1.1e-3))) > 5 * tol
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_data_parallel_replica_computes_with_its_own_params(level):
+    """nn.DataParallel replicates a module with _replicate_for_data_parallel (a shallow copy of its __dict__) and
+    gives each replica the params broadcast to its device. The casting forward amp sets on the instance went
+    along unchanged, so every replica ran the original module on the original (device 0) params. The steps
+    torch.nn.parallel.replicate takes, on the CPU: a replica whose params are zeros must output zeros."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = amp.initialize(model, None, level, dtype=torch.bfloat16)[0]
+    x = torch.randn(3, 4)
+    want = model(x)
+    replicas = {}
+    for name, m in model.named_modules():
+        r = m._replicate_for_data_parallel()
+        for pname, p in m._parameters.items():  # (replicate's broadcast copies, here zeros)
+            r._parameters[pname] = None if p is None else torch.zeros_like(p)
+        replicas[name] = r
+    for name, r in replicas.items():  # the children of each replica are the replicas (replicate's wiring)
+        for child in list(r._modules):
+            r._modules[child] = replicas[f"{name}.{child}" if name else child]
+    root = replicas[""]
+    root.eval()  # (BatchNorm's running statistics are the original's buffers: eval reads them alone)
+    out = root(x)
+    assert out.dtype == want.dtype and not torch.equal(want, torch.zeros_like(want))
+    assert torch.equal(out, torch.zeros_like(out)), out
+    assert torch.equal(model(x), want)  # the original is untouched
