@@ -170,6 +170,12 @@ class _CastingForward:
     def __name__(self) -> str:
         return getattr(self._forward(), "__name__", "forward")
 
+    @property
+    def __code__(self):
+        """Our own __call__'s code: torch.export (non-strict) reads the forward's ``__code__`` for the name, file
+        and line it reports, and raised AttributeError on an initialized model."""
+        return type(self).__call__.__code__
+
     def __call__(self, *args, **kwargs):
         if self.input_dtype is not None:
             args = _cast_floating(args, self.input_dtype)

@@ -804,3 +804,15 @@ def test_a_data_parallel_replica_computes_with_its_own_params(level):
     assert out.dtype == want.dtype and not torch.equal(want, torch.zeros_like(want))
     assert torch.equal(out, torch.zeros_like(out)), out
     assert torch.equal(model(x), want)  # the original is untouched
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_an_initialized_model_exports(level):
+    """torch.export (non-strict) reads the forward's __code__ for its reports: the casting forward had none and
+    export raised AttributeError. The exported program computes what the model does, casts included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = amp.initialize(model, None, level, dtype=torch.bfloat16)[0].eval()
+    x = torch.randn(3, 4)
+    out = torch.export.export(model, (x,)).module()(x)
+    assert out.dtype == model(x).dtype and torch.equal(out, model(x))
