@@ -208,12 +208,21 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
     checked = [(name, codes, f) for name, codes, f in (("a_codes", a_codes, fa), ("b_codes", b_codes, fb))
                if codes.dtype in _CODE_DTYPES and codes.numel() and codes.device.type != "meta"]
     if checked and not torch.compiler.is_compiling() and len({c.device for _, c, _ in checked}) == 1:
-        ranges = torch.stack([torch.stack(c.aminmax()).long() for _, c, _ in checked]).tolist()  # (one read)
+        # (under torch.func.vmap the codes are batched tensors, whose values only the tensor below holds)
+        ranges = torch.stack([torch.stack(_unbatched(c).aminmax()).long() for _, c, _ in checked]).tolist()
         for (name, _, f), (lo, hi) in zip(checked, ranges):
             if lo < f.code_min or hi > f.code_max:
                 raise ValueError(f"{name} must hold codes of {f}, in [{f.code_min}, {f.code_max}]; got values in "
                                  f"[{lo}, {hi}]")
     return _matmul_codes(a_codes, b_codes, fa, fb, fo, rounding, seed, offset)
+
+
+def _unbatched(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a torch.func.vmap batched tensor wraps (all its batch elements), or t itself."""
+    functorch = torch._C._functorch
+    while functorch.is_batchedtensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
 
 
 def _matmul_codes(a_codes, b_codes, fa, fb, fo, rounding, seed, offset) -> torch.Tensor:

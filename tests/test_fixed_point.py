@@ -933,3 +933,19 @@ def test_weights_of_another_format_are_loaded_onto_this_layers_grid():
     sd = fine.state_dict()
     same.load_state_dict(sd, assign=True)  # on the grid already: the loaded tensor is the param, as assign says
     assert same.weight.data_ptr() == sd["weight"].data_ptr()
+
+
+def test_matmul_runs_under_vmap_with_its_range_check():
+    """The codes' range check read a vmap-batched tensor ('Cannot access data pointer'): it reads the tensor
+    the batch wraps. Each batch element is the unbatched call's result, and a code out of range is refused."""
+    import warnings
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(-100, 100, (3, 5, 7), dtype=torch.int16, generator=g)
+    b = torch.randint(-100, 100, (7, 4), dtype=torch.int16, generator=g)
+    f = lambda x: fxp.matmul(x, b, (4, 8), (4, 8), (8, 8), rounding="stochastic", seed=3)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule of its own)
+        assert torch.equal(torch.func.vmap(f)(a), torch.stack([f(x) for x in a]))
+        a[1, 0, 0] = 5000
+        with pytest.raises(ValueError, match=r"a_codes must hold codes of <4,8>"):
+            torch.func.vmap(f)(a)
