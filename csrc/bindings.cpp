@@ -217,8 +217,8 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
 // The version counters and data pointers, as bytes, of the params (plain tensors, as step_layout accepted them) that have an
 // FP32 master (masters[i] not None) or a remainder: the planned step compares them with those its last step
 // left (each step moves a param's counter, csrc/torch/optim.cpp, by a count that views of one buffer in
-// several groups make larger than one), and a param written from outside the step, whose master must
-// follow the write, then sends the step down the full path (see _follow_writes). Empty bytes for a list
+// several groups make larger than one), and where a param was written from outside the step its master
+// follows the write first (16 bytes a param, in order: _StepPlan._moved finds which). Empty bytes for a list
 // that does not match. With `memory` (DTensor params: their local shards, one per param), the counters are
 // the params' own (a write through a DTensor moves the DTensor's counter, not its shard's: the shard is
 // written below autograd) and the memory the shards'.

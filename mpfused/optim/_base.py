@@ -15,7 +15,7 @@ import threading
 import warnings
 from collections import defaultdict
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import is_, is_not
 from typing import Any, Callable, Optional
@@ -426,7 +426,8 @@ def _step_layout(params: list, grads: list, entries: list) -> Optional[bytes]:
 def _step_versions(params: list, entries: list, memory: Optional[list] = None) -> bytes:
     """_C.step_versions: the version counters and data pointers of the plain params with a master or a
     remainder (the entries' last two lists before the step counters): a write from outside the step moves
-    one, and the step then takes the full path, which makes the masters follow it (_follow_writes).
+    one, and the step then makes the masters follow it (_follow_writes' rules; the planned step in
+    _StepPlan._moved, the full path in _follow_writes).
     DTensor params: ``memory`` holds their local shards (the counters are the DTensors', the memory the
     shards')."""
     return _ops._C.step_versions(params, entries[-3], entries[-2], memory)
@@ -484,8 +485,8 @@ def _follow_writes(followed: tuple, seen) -> None:
     remainders become 0. (A negative one below an inf is a real split: a master within half a step of
     2^128, which the kernel writes as inf; a positive one below a 0, a master below 2^-133.)
 
-    The full path calls this, after every check and before the kernels; the planned path leaves a step
-    whose params with masters or remainders moved to the full path (_StepPlan). The rules are applied by
+    The full path calls this, after every check and before the kernels; the planned path follows the params
+    whose counters moved since its last step itself (_StepPlan._moved, the same operator). The rules are applied by
     one pass over each moved param and its master or remainder (``torch.ops.mpfused.follow_writes_``,
     csrc/core/follow.h; one launch per 512 tensors on CUDA, no read on the host), which writes a block of masters only
     where one of its elements changes."""
@@ -544,8 +545,8 @@ class _StepPlan:
     same decisions. Each step still checks every grad and state entry against its param (in C++,
     ``_C.step_layout``: what the operator would refuse, e.g. a state tensor changed in place through
     ``.data``; in ``_C.step_versions``, the version counter and memory of a plain param with an FP32 master
-    or a remainder, which a write from outside the step moves: the full path then makes its master follow,
-    _follow_writes) and every group's values before the first kernel call (a value that is the very object
+    or a remainder, which a write from outside the step moves: its master then follows the write before the
+    kernels, _moved) and every group's values before the first kernel call (a value that is the very object
     last checked, of a type that cannot change in place, needs no new check: a scheduler's new lr is
     checked alone); then it calls the operator from C++ (``_ops.optim_step_direct``) with the arguments
     the plan packed (``_ops.OptimCall``). Anything else takes the full path, which drops the plan first
@@ -558,6 +559,7 @@ class _StepPlan:
     state: dict
     groups: list
     numels: Optional[list]  # every param's numel, for the offsets (stochastic rounding, some param without a grad)
+    follows: list = field(default_factory=list)  # match()'s: the writes from outside this step to follow (_moved)
 
     @staticmethod
     def signature(group: dict) -> tuple:
@@ -623,6 +625,7 @@ class _StepPlan:
             return None
         state_get = opt.state.get
         calls = []
+        self.follows = []  # (params, targets, stochastic) that code outside the step wrote: followed before the kernels
         for group, gp in zip(opt.param_groups, self.groups):
             params = group["params"]
             if (group is not gp.group or type(params) is not list or len(params) != len(gp.params)
@@ -667,14 +670,44 @@ class _StepPlan:
                                                                                  gp.entries):
                 return None  # an entry replaced, deleted or set to None: the full path mends it
             # (an entry changed in place, e.g. through .data, fails here: the full path mends it too)
-            if _step_layout(lps, lgs, gp.layout_entries) != gp.layout or (
-                    gp.versions is not None and _step_versions(kps, gp.layout_entries, lps if lps is not kps else None)
-                    != gp.versions):
+            if _step_layout(lps, lgs, gp.layout_entries) != gp.layout:
                 return None
+            if gp.versions is not None:
+                now = _step_versions(kps, gp.layout_entries, lps if lps is not kps else None)
+                if now != gp.versions:
+                    # Params written from outside the step (a clamp_, an Embedding's max_norm renorm every step): their
+                    # memory is the plan's (step_layout), only their counters moved. Their masters follow the writes
+                    # (_follow_writes' rules, one pass) before this step's kernels, and the plan holds.
+                    moved = self._moved(gp, lps, now, group.get("rounding") == "stochastic")
+                    if moved is None:
+                        return None
+                    self.follows.append(moved)
             calls.append((group, gp, kps, lps if gp.local_entries is not None else None, lgs, changed, values))
         if self.numels is not None and [p.numel() for g in opt.param_groups for p in g["params"]] != self.numels:
             return None
         return calls
+
+    @staticmethod
+    def _moved(gp: "_GroupPlan", lps: list, now: bytes, stochastic: bool) -> Optional[tuple]:
+        """(params, targets, stochastic) for follow_writes_: the params (local shards) of a group whose version
+        counters moved since the plan's last step (``now`` against ``gp.versions``: a (counter, memory) pair of
+        int64 per param with a master or a remainder, in order), with their masters and remainders. None where
+        the pairs do not line up (the full path then looks)."""
+        if len(now) != len(gp.versions):
+            return None
+        masters, remainders = gp.layout_entries[-3], gp.layout_entries[-2]
+        params, targets = [], []
+        j = 0
+        for q, master, remainder in zip(lps, masters, remainders):
+            if master is None and remainder is None:
+                continue
+            if now[16 * j:16 * j + 16] != gp.versions[16 * j:16 * j + 16]:
+                for target in (remainder, master):
+                    if target is not None:
+                        params.append(q.detach())
+                        targets.append(target)
+            j += 1
+        return params, targets, stochastic
 
 
 # The profiler range around step() and zero_grad() (see FusedOptimizer.profile_hook_step).
@@ -1435,6 +1468,9 @@ class FusedOptimizer(Optimizer):
         device_scalars = None if no_scalars else self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
         try:
+            for params, targets, stochastic in plan.follows:  # (after every check: the first write of the step)
+                if params:
+                    _ops.follow_writes_(params, targets, stochastic)
             for (group, gp, kps, local_ps, lgs, _, _), hyper in zip(calls, hypers):
                 if kps:
                     device = gp.device
