@@ -859,7 +859,11 @@ class GradScaler(torch.amp.GradScaler):
         sd["growth_interval"] = _check_int("state_dict['growth_interval']", sd["growth_interval"], 1)
         sd["_growth_tracker"] = _check_int("state_dict['_growth_tracker']", sd["_growth_tracker"], 0)
         hysteresis = _check_int("state_dict['hysteresis']", sd.get("hysteresis", self._hysteresis), 1)
-        left = _check_int("state_dict['_hysteresis_left']", sd.get("_hysteresis_left", hysteresis), 1)
+        if "_hysteresis_left" in sd:
+            left = _check_int("state_dict['_hysteresis_left']", sd["_hysteresis_left"], 1)
+        else:  # (torch's dict: the count this scaler holds, as for every key torch's lacks; within the hysteresis)
+            held = self._hysteresis_left
+            left = min(int(held.item()) if held is not None else self._init_hysteresis_left, hysteresis)
         if left > hysteresis:
             raise ValueError(f"state_dict['_hysteresis_left'] ({left}) must not exceed hysteresis ({hysteresis})")
         min_scale = _check_clamp("state_dict['min_scale']", sd.get("min_scale", self._min_scale))

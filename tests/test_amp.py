@@ -816,3 +816,46 @@ def test_an_initialized_model_exports(level):
     x = torch.randn(3, 4)
     out = torch.export.export(model, (x,)).module()(x)
     assert out.dtype == model(x).dtype and torch.equal(out, model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_checkpoint_loaded_before_initialize_keeps_its_masters(dtype, fused):
+    """A fresh FP32 model and optimizer, the checkpoint of an O2 run loaded into them, then amp.initialize:
+    initialize replaced the loaded FP32 masters with the loaded low-precision weights (and a FusedAdamW's
+    load over FP32 params dropped them before), so the resumed run lost the masters' low bits. It is now
+    bit-identical to the unbroken one, as loading after initialize is."""
+    import io
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4)
+        return m, (FusedAdamW if fused else torch.optim.AdamW)(m.parameters(), lr=1e-3)
+
+    def step(m, opt, sc):
+        opt.zero_grad()
+        sc.scale(F.mse_loss(m(x).float(), y)).backward()
+        sc.step(opt)
+        sc.update()
+
+    m, opt = build()
+    m, opt, sc = amp.initialize(m, opt, "O2", dtype=dtype)
+    for _ in range(3):
+        step(m, opt, sc)
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "scaler": sc.state_dict()}, buf)
+    for _ in range(3):
+        step(m, opt, sc)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    m2, opt2 = build()
+    m2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    m2, opt2, sc2 = amp.initialize(m2, opt2, "O2", dtype=dtype)
+    assert torch.equal(opt2.state[m2.weight]["master_param"], ck["opt"]["state"][0]["master_param"])
+    sc2.load_state_dict(ck["scaler"])
+    for _ in range(3):
+        step(m2, opt2, sc2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    assert torch.equal(opt.state[m.weight]["master_param"], opt2.state[m2.weight]["master_param"])

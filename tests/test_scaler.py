@@ -862,3 +862,25 @@ def test_a_process_group_that_is_not_one_is_refused_when_made():
     'allreduce')."""
     with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup \(.*\), got str"):
         mpfused.GradScaler("cpu", process_group="pg", grad_sharding="sharded")
+
+
+def test_a_torch_scaler_dict_keeps_the_hysteresis_count():
+    """torch's dict has no hysteresis count: it kept its value as every key torch's lacks does, as the
+    docstring says, except this one, which was reset to the full hysteresis (the next overflow then did not
+    back off)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedSGD([p], lr=0.1)
+    scaler = mpfused.GradScaler("cpu", init_scale=256.0, hysteresis=3)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale((p * math.inf).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.state_dict()["_hysteresis_left"] == 1
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    torch_scaler.scale(p.sum())
+    scaler.load_state_dict(torch_scaler.state_dict())
+    assert scaler.state_dict()["_hysteresis_left"] == 1 and scaler.state_dict()["_skipped_steps"] == 2
+    fresh = mpfused.GradScaler("cpu", hysteresis=2)
+    fresh.load_state_dict(torch_scaler.state_dict())
+    assert fresh.state_dict()["_hysteresis_left"] == 2

@@ -1734,4 +1734,12 @@ class FusedOptimizer(Optimizer):
             hook(self)
 
     def _after_load(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        # An FP32 master loaded over an FP32 param (a low-precision run's checkpoint, loaded into the FP32 model
+        # that mpfused.amp.initialize casts next) is kept until a step: initialize takes it as the master, with
+        # the low bits the saved low-precision weights lost; a step over the FP32 param drops it (_state_for).
+        kept = state.get("master_param") if p.dtype == torch.float32 else None
         self._state_for(group, p)
+        if isinstance(kept, torch.Tensor) and kept.dtype == torch.float32 and kept.shape == p.shape \
+                and kept.device == p.device and "master_param" not in state:
+            state["master_param"] = kept
+            self.state[p] = state
