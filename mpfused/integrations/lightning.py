@@ -33,6 +33,7 @@ require("lightning", "lightning", "mpfused.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 __all__ = ["MixedPrecision", "SkippedStepsLogger", "scaler_of"]
@@ -71,7 +72,11 @@ class MixedPrecision(_LightningMixedPrecision):
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float] = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Clips through the scaler (see the module's docstring); without a scaler (BF16) as Lightning does."""
+        """Clips through the scaler (see the module's docstring); without a scaler (BF16) as Lightning does.
+        In manual optimization the module passes ``self.optimizers()``, a LightningOptimizer around the real one,
+        which the step hands to the scaler: the clip is recorded for the real one (under the wrapper's id it was
+        never applied, and a value clip's unscale_ was repeated by the step)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LightningOptimizer) else optimizer
         if clip_val <= 0:
             return
         scaler = self.scaler

@@ -202,3 +202,40 @@ def test_checkpoint_keeps_the_scaler_state(tmp_path):
     restored.load_state_dict(checkpoint["MixedPrecision"])
     assert restored.scaler.state_dict() == scaler.state_dict()
     assert restored.scaler.skipped_steps == 1 and restored.scaler.get_scale() == INIT_SCALE / 2
+
+
+class ManualModule(L.LightningModule):
+    """Manual optimization: the module clips through self.clip_gradients and steps itself."""
+
+    def __init__(self, clip_val, algorithm):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = make_net()
+        self.clip_val, self.algorithm = clip_val, algorithm
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss_of(self.net, *batch, self.global_step))
+        self.clip_gradients(opt, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.algorithm)
+        opt.step()
+
+    def configure_optimizers(self):
+        return mpfused.optim.FusedSGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_manual_optimization_clips_as_torch(algorithm):
+    """self.optimizers() is a LightningOptimizer around the fused one: the plugin recorded the clip under the
+    wrapper's id, where the step never looked (a norm clip was not applied; a value clip unscaled the grads
+    twice). The run now matches the hand-written torch loop."""
+    clip_val = 0.05 if algorithm == "norm" else 0.01
+    module = ManualModule(clip_val, algorithm)
+    scaler = mpfused.GradScaler("cpu", init_scale=INIT_SCALE)
+    L.Trainer(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+              max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(module, DataLoader(make_data(), batch_size=BATCH))
+    net, ref_scaler = reference(clip_val, algorithm)
+    assert_params_close(module, net)
+    assert_far(module, reference(0.0)[0])
+    assert scaler.get_scale() == ref_scaler.get_scale()
