@@ -217,7 +217,7 @@ class _ReplicaCasting:
 
 
 def _beside(t, p: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``t`` where it is a ``dtype`` tensor of ``p``'s shape on its device (a master or remainder loaded into
+    """``t`` where it is a ``dtype`` tensor of ``p``'s shape on its device (a master loaded into
     the optimizer's state before initialize), else None."""
     if isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == p.shape and t.device == p.device:
         return t
@@ -528,8 +528,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
         # The exact FP32 values become the master copies (not the rounded low-precision params); with
         # master_weights="remainder", the param and its remainder that hold them (the param then differs
         # from the cast only where the value lies halfway between two BF16 values: the split rounds ties
-        # away from zero). A master or remainder the optimizer's state already holds (a checkpoint loaded
-        # before initialize) is kept: it has the low bits that the model's saved low-precision weights lost.
+        # away from zero). An FP32 master the optimizer's state already holds (a checkpoint loaded before
+        # initialize) is taken instead: it has the low bits that the model's saved low-precision weights lost.
         # (The first step compares every param with its master, and elements that differ follow the param.)
         for opt in converted:
             if not isinstance(opt, FusedOptimizer):
@@ -541,19 +541,15 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
                     if p in originals:
                         o = originals[p]  # FP32; the master needs the param's memory layout
                         state = opt.state[p]
-                        saved, saved_rem = _beside(state.get("master_param"), p, torch.float32), \
-                            _beside(state.get("master_remainder"), p, torch.int16) if p.dtype == torch.bfloat16 else None
+                        saved = _beside(state.get("master_param"), p, torch.float32)
+                        master = o if saved is None else saved
                         if group["master_weights"] == "remainder" and p.dtype == torch.bfloat16:
-                            if saved_rem is None:
-                                hi, state["master_remainder"] = split_master(o if saved is None else saved, p)
-                                with torch.no_grad():
-                                    p.copy_(hi)
+                            hi, state["master_remainder"] = split_master(master, p)
+                            with torch.no_grad():
+                                p.copy_(hi)
                             state.pop("master_param", None)
-                        elif saved is not None:
-                            state["master_param"] = saved if same_layout(saved, p) else like(saved, p, torch.float32)
-                            state.pop("master_remainder", None)
-                        elif saved_rem is None:  # (a saved remainder: the step joins it with the param)
-                            state["master_param"] = o if same_layout(o, p) else like(o, p, torch.float32)
+                        else:
+                            state["master_param"] = master if same_layout(master, p) else like(master, p, torch.float32)
                             state.pop("master_remainder", None)
         _cast_forward(
             model, input_dtype=props.dtype if props.cast_inputs else None,

@@ -94,6 +94,9 @@ class MixedPrecision(_LightningMixedPrecision):
         elif gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
                 scaler.unscale_(optimizer)  # a fused optimizer's gradients are still scaled here
+                # Lightning's optimizer_step unscales a torch optimizer once more (it lacks native scaling):
+                # that second call is then a no-op, as after clip_grad_norm_'s own unscale_
+                scaler._mpf_clip_states[id(optimizer)]["unscaled"] = True
             torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
         else:
             raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")

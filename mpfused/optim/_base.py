@@ -527,7 +527,8 @@ class _GroupPlan:
     values: tuple
     frozen: bool
     hyper: Optional[tuple] = None  # call.hyper_args of the checked values, while they are frozen
-    # The version counters of the params with masters or remainders (plain groups; None for DTensors) after
+    # The version counters of the params with masters or remainders (DTensors: their own counters, with their
+    # shards' memory) after
     # the last step, full or planned (_step_versions): one that differs now was written from outside the step
     versions: Optional[bytes] = None
 
@@ -1471,6 +1472,7 @@ class FusedOptimizer(Optimizer):
             for params, targets, stochastic in plan.follows:  # (after every check: the first write of the step)
                 if params:
                     _ops.follow_writes_(params, targets, stochastic)
+            plan.follows = []  # (holds no tensor past the step)
             for (group, gp, kps, local_ps, lgs, _, _), hyper in zip(calls, hypers):
                 if kps:
                     device = gp.device

@@ -207,11 +207,11 @@ def test_checkpoint_keeps_the_scaler_state(tmp_path):
 class ManualModule(L.LightningModule):
     """Manual optimization: the module clips through self.clip_gradients and steps itself."""
 
-    def __init__(self, clip_val, algorithm):
+    def __init__(self, clip_val, algorithm, optimizer_cls):
         super().__init__()
         self.automatic_optimization = False
         self.net = make_net()
-        self.clip_val, self.algorithm = clip_val, algorithm
+        self.clip_val, self.algorithm, self.optimizer_cls = clip_val, algorithm, optimizer_cls
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -221,16 +221,18 @@ class ManualModule(L.LightningModule):
         opt.step()
 
     def configure_optimizers(self):
-        return mpfused.optim.FusedSGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        kw = {} if self.optimizer_cls is mpfused.optim.FusedSGD else dict(foreach=False)
+        return self.optimizer_cls(self.parameters(), lr=LR, momentum=MOMENTUM, **kw)
 
 
+@pytest.mark.parametrize("optimizer_cls", [mpfused.optim.FusedSGD, torch.optim.SGD])
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_manual_optimization_clips_as_torch(algorithm):
+def test_manual_optimization_clips_as_torch(algorithm, optimizer_cls):
     """self.optimizers() is a LightningOptimizer around the fused one: the plugin recorded the clip under the
     wrapper's id, where the step never looked (a norm clip was not applied; a value clip unscaled the grads
     twice). The run now matches the hand-written torch loop."""
     clip_val = 0.05 if algorithm == "norm" else 0.01
-    module = ManualModule(clip_val, algorithm)
+    module = ManualModule(clip_val, algorithm, optimizer_cls)
     scaler = mpfused.GradScaler("cpu", init_scale=INIT_SCALE)
     L.Trainer(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
               max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
