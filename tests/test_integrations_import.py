@@ -31,11 +31,12 @@ def test_missing_framework_is_a_clear_import_error(monkeypatch, module, package)
 def test_the_hf_trainer_example_says_what_is_missing_instead_of_a_traceback():
     """examples/hf_trainer.py imported transformers at module level: without it, even --help was an
     ImportError traceback. Now --help works and a run is refused with the packages to install."""
+    # (the mpfused this test imports: the subprocess runs from the same directory, without a path of its own;
+    # the CUDA install check runs this file against the installed package, from outside the source tree)
+    example = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
     code = ("import sys, runpy; sys.modules['transformers'] = None; sys.argv = ['hf_trainer.py'] + sys.argv[1:]; "
-            "runpy.run_path('examples/hf_trainer.py', run_name='__main__')")
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
-    env = dict(__import__("os").environ, PYTHONPATH=str(root))
-    helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=root, env=env)
+            f"runpy.run_path({str(example)!r}, run_name='__main__')")
+    helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--overflow-step" in helped.stdout, helped.stderr
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 2 and "needs transformers and accelerate" in run.stderr and "Traceback" not in run.stderr
