@@ -642,12 +642,7 @@ def main(argv=None):
     p.add_argument("--out", default="demo_out", help="folder for demo.json and demo.png (default: ./demo_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
-        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
-    try:  # the output folder now, not after the training (a bad --out lost it)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out}: {e.strerror or e}")
+    fixed_point_gupta.check_seed_and_out(p, args)
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

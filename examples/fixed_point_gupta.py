@@ -194,6 +194,18 @@ def write_plot(res: dict, path: Path) -> bool:
     return True
 
 
+def check_seed_and_out(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--seed and --out, checked before any training (this script's and the demo's): a seed in [0, 2**32),
+    so that the seeds derived from it stay in the generators' range, and the output folder made now (a bad
+    --out, or a negative seed, once failed after the training, its results lost)."""
+    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    try:  # the output folder now, not after the training (a bad --out lost it)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python examples/fixed_point_gupta.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 epochs, FL 8 and 14 (for tests)")
@@ -204,12 +216,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error("--threads must be at least 1")
-    if not 0 <= args.seed < 2**32:  # (seeds derived from it must stay in the generators' range)
-        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
-    try:  # the output folder now, not after the training (a bad --out lost it)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out}: {e.strerror or e}")
+    check_seed_and_out(p, args)
     before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
