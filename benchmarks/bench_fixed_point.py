@@ -18,9 +18,10 @@ times the last cache level (harness.CacheFlush). Two ways of calling it:
 
 The copy roof of the harness (400 MB buffers) is printed for context.
 
-The MACC: ``matmul`` of int16 codes of <4,12> (M = K = N, default 512 on the CPU, 4096 on CUDA) rounded into
-<8,8>, against ``torch.matmul`` of the same codes as int64 (CPU only: CUDA has none) and as float64 tensors (both
-exact at these sizes), INFO only: torch has no fixed-point product, and ours also rounds and saturates every
+The MACC: ``matmul`` of int16 codes of <4,12> (standard normal values quantized, as a layer's weights and
+activations are; M = K = N, default 512 on the CPU, 4096 on CUDA) rounded into <10,6> (wide enough that no
+output saturates: the run checks it, so the agreement check covers the rounding), against ``torch.matmul`` of
+the same codes as int64 (CPU only: CUDA has none) and as float64 tensors (both exact at these sizes), INFO only: torch has no fixed-point product, and ours also rounds and saturates every
 output. On CUDA both of our kernels run (the integer tensor cores, the default, and the CUDA cores:
 MPFUSED_FIXED_MATMUL_KERNEL), and torch's 8-bit ``torch._int_mm`` is shown for scale.
 
@@ -43,7 +44,7 @@ from . import harness as h
 
 NAME = "fixed_point"
 FMT = (4, 12)      # the quantized format (WL 16)
-OUT_FMT = (8, 8)   # the MACC's output format
+OUT_FMT = (10, 6)  # the MACC's output format: |sum| ~ sqrt(K) <= 64 of a range of 512
 SEED = 0
 MIN_ANCHOR_PCT = 50.0  # the same-bytes copy at least at half the roof probe's speed, or the run is invalid
 
@@ -88,8 +89,9 @@ def with_macc_kernel(kernel: str, fn: Any) -> Any:
 def matmul_methods(size: int, device: torch.device) -> tuple[list[tuple[str, Any]], str]:
     """The MACC's timed calls, and the name of the anchor the table divides by."""
     gen = torch.Generator().manual_seed(SEED)
-    a = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
-    b = torch.randint(-(1 << 15), 1 << 15, (size, size), generator=gen, dtype=torch.int32).to(torch.int16).to(device)
+    # Codes of standard normal values (full-range random codes would make nearly every output of <10,6> or
+    # <8,8> saturate, leaving the rounding unchecked)
+    a, b = (fxp.encode(torch.randn(size, size, generator=gen), *FMT).to(device) for _ in range(2))
     a64, b64, af, bf = a.long(), b.long(), a.double(), b.double()
     # Agreement before timing: our nearest-rounded result against the exact product rounded the same way. The
     # float64 product is exact here (|sum| <= K 2^30 < 2^53), and fast on both devices.
@@ -98,7 +100,12 @@ def matmul_methods(size: int, device: torch.device) -> tuple[list[tuple[str, Any
     exact = (af @ bf).long()
     shift = FMT[1] * 2 - OUT_FMT[1]
     floor, rem = exact >> shift, exact & ((1 << shift) - 1)
-    ref = (floor + (rem > (1 << (shift - 1))).long()).clamp(-(1 << 15), (1 << 15) - 1)
+    unclamped = floor + (rem > (1 << (shift - 1))).long()
+    ref = unclamped.clamp(-(1 << 15), (1 << 15) - 1)
+    saturated = (unclamped != ref).double().mean().item()
+    if saturated > 1e-3:
+        raise RuntimeError(f"--size {size}: {saturated:.2%} of the MACC's outputs saturate <{OUT_FMT[0]},"
+                           f"{OUT_FMT[1]}>, so the agreement check would not cover the rounding")
     kernels: list[tuple[Optional[str], str]] = [(None, "")]
     if device.type == "cuda":  # both of ours where the GPU has integer tensor cores, else the CUDA-core one alone
         kernels = [("cuda-cores", "CUDA cores")]
