@@ -101,9 +101,15 @@ def _number(name: str, value, what: str) -> float:
         if value.device.type == "meta":  # (no value to read)
             raise ValueError(f"{name} must be {what}, got a tensor on the meta device, which holds no value")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # (an int beyond any float, such as 10**400)
+        raise ValueError(f"{name} must be {what}, got an int too large for a float ({value.bit_length()} bits)") from None
+    if math.isnan(v):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
 
 
 def _check_int(name: str, value, lo: int, hi: int = 2**31 - 1, hi_text: str = "2**31 - 1") -> int:
@@ -206,8 +212,9 @@ class GradScaler(torch.amp.GradScaler):
     - ``dynamic=False``: the scale stays at ``init_scale`` (static loss scaling); steps are still skipped;
     - ``process_group``: found_inf is all-reduced (MAX) so that every rank skips together, and
       clip_grad_norm_ clips by the global norm. Then ``grad_sharding`` is required: ``"replicated"``
-      (DDP: every rank holds the whole gradient, so the local norm is the global one) or ``"sharded"``
-      (FSDP1, ZeRO: each rank holds a part; the squares are summed over the ranks). Without a process_group
+      (DDP, and torch's ZeroRedundancyOptimizer: every rank holds the whole gradient, so the local norm is
+      the global one) or ``"sharded"`` (FSDP1, ZeRO stages that partition the gradients: each rank holds a
+      part; the squares are summed over the ranks). Without a process_group
       ``grad_sharding`` is ignored (one process: its norm is the global one), so ``process_group=pg if
       dist.is_initialized() else None`` beside a fixed ``grad_sharding`` works in both.
     - DTensor params (FSDP2, HSDP, tensor parallel) need no argument: the kernels take the local shards of
@@ -244,8 +251,9 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}]")
         if process_group is not None and grad_sharding not in _SHARDINGS:
             raise ValueError("with a process_group, grad_sharding must be 'replicated' (DDP: every rank holds the "
-                             "whole gradient; the norm needs no reduction) or 'sharded' (FSDP, ZeRO: each rank holds "
-                             f"a part; the squares are summed over the ranks), got {grad_sharding!r}")
+                             "whole gradient, as with torch's ZeroRedundancyOptimizer; the norm needs no reduction) or "
+                             "'sharded' (FSDP1, ZeRO stages that partition the gradients: each rank holds a part; the "
+                             f"squares are summed over the ranks), got {grad_sharding!r}")
         if device_mesh is not None:
             if process_group is not None or grad_sharding is not None:
                 raise ValueError("device_mesh is for DTensor grads, whose placements say how each norm is reduced: "
@@ -875,6 +883,12 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
         skipped = _check_int("state_dict['_skipped_steps']", sd.get("_skipped_steps", self.skipped_steps), 0,
                              2**63 - 1, "2**63 - 1")
+        if dynamic:  # (the constructor's rule for init_scale; the clamps as the update applies them, in float32)
+            lo = 0.0 if min_scale is None else torch.tensor(min_scale, dtype=torch.float32).item()
+            hi = math.inf if max_scale is None else torch.tensor(max_scale, dtype=torch.float32).item()
+            if not lo <= sd["scale"] <= hi:
+                raise ValueError(f"state_dict['scale'] ({sd['scale']}) must lie in [min_scale, max_scale] = "
+                                 f"[{min_scale}, {max_scale}] (a dynamic scale is kept there)")
         # every value is valid: write
         super().load_state_dict(sd)
         self._hysteresis, self._init_hysteresis_left = hysteresis, left

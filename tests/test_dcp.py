@@ -151,3 +151,94 @@ def test_dcp_save_on_4_load_on_2(tmp_path):
         for p, q in zip(c["masters"], unbroken4["masters"]):
             torch.testing.assert_close(p, q, rtol=0, atol=DIST_BF16_PARAM_ATOL)
     assert os.path.isdir(four) and os.path.isdir(same)
+
+
+# ---- remainders between plain and FSDP2 params ---------------------------------------------------------------
+def _remainder_model(fsdp_world=None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 6).to(torch.bfloat16)  # (6 rows: uneven shards on 4 ranks too)
+    if fsdp_world is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (fsdp_world,)))
+    return model, FusedAdamW(model.parameters(), lr=1e-2, master_weights="remainder")
+
+
+def _remainder_train(model, opt, steps):
+    for s in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _whole_remainders(model, opt):
+    """Each param's remainder as a plain int16 tensor (a DTensor's gathered as int32: no int16 collectives)."""
+    out = []
+    for p in model.parameters():
+        r = opt.state[p]["master_remainder"]
+        out.append(r.to(torch.int32).full_tensor().to(torch.int16) if hasattr(r, "full_tensor") else r.clone())
+    return out
+
+
+def _fsdp_remainders_save(rank, world, path):
+    model, opt = _remainder_model(world)
+    _remainder_train(model, opt, 3)
+    _save_model_opt(model, opt, path)
+    return _whole_remainders(model, opt)
+
+
+def _fsdp_remainders_load(rank, world, path):
+    model, opt = _remainder_model(world)
+    _remainder_train(model, opt, 1)  # (states to load into)
+    _load_model_opt(model, opt, path)
+    return _whole_remainders(model, opt)
+
+
+def _save_model_opt(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load_model_opt(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def test_dcp_remainders_move_between_fsdp2_and_plain_params_bit_for_bit(tmp_path):
+    """A master_weights="remainder" checkpoint saved by FSDP2 ranks loads into a plain model (resharding to
+    one process for export or fine-tuning), and a plain one into FSDP2 ranks, with every remainder's bits.
+    DCP converts a saved dtype into the destination's value by value: when a plain param's remainder was
+    int16 and a DTensor's its bfloat16 view, the remainders came back as 0 one way and as other bits the
+    other, and the masters lost their low halves silently."""
+    import warnings
+
+    sharded, plain = str(tmp_path / "fsdp2"), str(tmp_path / "plain")
+    saved = run_ranks(_fsdp_remainders_save, 2, sharded)[0]
+    assert any(bool(r.ne(0).any()) for r in saved)
+    model, opt = _remainder_model()
+    _remainder_train(model, opt, 1)
+    with warnings.catch_warnings():  # (DCP without a process group says it runs on one process)
+        warnings.simplefilter("ignore")
+        _load_model_opt(model, opt, sharded)
+    for got, want in zip(_whole_remainders(model, opt), saved):
+        assert got.dtype == torch.int16 and torch.equal(got, want)
+
+    model, opt = _remainder_model()
+    _remainder_train(model, opt, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _save_model_opt(model, opt, plain)
+    want = _whole_remainders(model, opt)
+    for rank_result in run_ranks(_fsdp_remainders_load, 2, plain):
+        for got, w in zip(rank_result, want):
+            assert torch.equal(got, w)

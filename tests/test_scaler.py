@@ -585,6 +585,44 @@ def test_load_state_dict_validates_everything_first(device):
     assert scaler.get_scale() == 32.0 and scaler.get_hysteresis() == 2 and scaler.skipped_steps == 1
 
 
+def test_counts_at_their_maxima_saturate_and_the_scale_still_grows(device):
+    """A state dict may load the growth tracker at 2**31 - 1 and the skipped count at 2**63 - 1: the next
+    clean step grows the scale (the tracker passed the interval) and the next overflow keeps the count at its
+    maximum; neither wraps to a negative value that the scaler's own state dict would then refuse."""
+    scaler = mpfused.GradScaler(device, init_scale=1024.0, growth_interval=5)
+    scaler.load_state_dict(dict(scaler.state_dict(), _growth_tracker=2**31 - 1, _skipped_steps=2**63 - 1))
+    (scale, tracker), = run_pattern(scaler, [0], device)
+    assert (scale, tracker) == (2048.0, 0)
+    run_pattern(scaler, [1], device)
+    assert scaler.skipped_steps == 2**63 - 1 and scaler.get_scale() == 1024.0
+    mpfused.GradScaler(device).load_state_dict(scaler.state_dict())  # still loads
+
+
+def test_load_state_dict_keeps_a_dynamic_scale_within_its_clamps(device):
+    scaler = mpfused.GradScaler(device, init_scale=4.0)
+    run_pattern(scaler, [0], device)
+    before = scaler.state_dict()
+    for clamps in ({"min_scale": 8.0, "max_scale": 16.0}, {"max_scale": 2.0}):
+        with pytest.raises(ValueError, match=r"state_dict\['scale'\] \(4.0\) must lie in \[min_scale, max_scale\]"):
+            scaler.load_state_dict(dict(before, **clamps))
+        assert scaler.state_dict() == before
+    scaler.load_state_dict(dict(before, dynamic=False, min_scale=8.0))  # a static scale is not clamped
+    # A scale the update clamped to a min_scale that float32 does not hold (0.7 is stored as 0.69999998...,
+    # below 0.7) reloads: the clamps are compared as the update applies them.
+    clamped = mpfused.GradScaler(device, init_scale=1.0, min_scale=0.7)
+    run_pattern(clamped, [1], device)
+    assert clamped.get_scale() == torch.tensor(0.7).item() < 0.7
+    mpfused.GradScaler(device, init_scale=1.0, min_scale=0.7).load_state_dict(clamped.state_dict())
+
+
+def test_numbers_too_large_for_a_float_raise_naming_the_argument(device):
+    with pytest.raises(ValueError, match="init_scale must be .* too large for a float"):
+        mpfused.GradScaler(device, init_scale=10**400)
+    scaler = mpfused.GradScaler(device)
+    with pytest.raises(ValueError, match=r"state_dict\['growth_factor'\] must be"):
+        scaler.load_state_dict(dict(scaler.state_dict(), growth_factor=10**400))
+
+
 def test_unscale_validates_every_grad_before_unscaling_any(device):
     scaler = mpfused.GradScaler(device, init_scale=4.0)
     scaler.scale(torch.ones((), device=device))

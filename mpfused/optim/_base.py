@@ -1582,15 +1582,18 @@ class FusedOptimizer(Optimizer):
 
     # ---- state dict ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch's, with one change: a DTensor param's remainder (``master_remainder``, FSDP2) appears as a
-        bfloat16 view of its int16 bits (the same memory, no copy: an in-place load such as DCP's restores
-        it). torch.distributed.checkpoint's full state dict and resharding gather it, and gloo and NCCL have
-        no int16 collectives ("Invalid scalar type"); a collective moves a view's bits as they are. A plain
-        param's stays int16; load_state_dict takes either, and int32 of int16 values."""
+        """torch's, with one change: a remainder (``master_remainder``) appears as a bfloat16 view of its
+        int16 bits (the same memory, no copy: an in-place load such as DCP's restores it). For a DTensor param
+        (FSDP2) that is needed: torch.distributed.checkpoint's full state dict and resharding gather it, and
+        gloo and NCCL have no int16 collectives ("Invalid scalar type"), while a collective moves a view's bits
+        as they are. A plain param's is the same view, so that a checkpoint moves between the two: DCP loads
+        into the tensors of the destination's state dict and converts a saved dtype into theirs value by value
+        (an int16 remainder loaded into a bfloat16 one, or back, came out as other bits). load_state_dict takes
+        the view, int16 (older checkpoints, torch.save'd ones), and int32 of int16 values."""
         sd = super().state_dict()
         for k, st in list(sd["state"].items()):
             remainder = st.get("master_remainder") if isinstance(st, dict) else None
-            if remainder is not None and _dist.is_dtensor(remainder) and remainder.dtype == torch.int16:
+            if remainder is not None and remainder.dtype == torch.int16:
                 sd["state"][k] = {**st, "master_remainder": remainder.view(torch.bfloat16)}  # (st is the live state)
         return sd
 
