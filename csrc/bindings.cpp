@@ -43,12 +43,16 @@ pybind11::dict optim_policies() {
   pybind11::dict out;
   mpf::dispatch_optim_all([&](auto policy) {
     using P = decltype(policy);
-    pybind11::list states, hyper;
+    pybind11::list states, hyper, tensor_hyper;
     for (int k = 0; k < P::kNumStates; ++k) states.append(P::kStates[k]);
-    for (int i = 0; i < P::kNumHyper; ++i) hyper.append(P::kHyper[i].name);
+    for (int i = 0; i < P::kNumHyper; ++i) {
+      hyper.append(P::kHyper[i].name);
+      if (P::kHyper[i].tensor_ok) tensor_hyper.append(P::kHyper[i].name);
+    }
     pybind11::dict d;
     d["states"] = states;
     d["hyper"] = hyper;
+    d["tensor_hyper"] = tensor_hyper;  // those the update may read from a tensor
     out[P::kName] = d;
   });
   return out;

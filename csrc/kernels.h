@@ -83,8 +83,8 @@ struct OptimArgs {
   OptimKind kind;
   const OptimTensor* tensors;  // one device, one param group
   int64_t num_tensors;
-  double lr;                   // used when lr_ptr is null
-  const float* lr_ptr;         // nullptr, or one float on the device: the learning rate
+  double lr;                   // used when lr_ref.ptr is null
+  HyperRef lr_ref;             // nullptr, or a float32 or float64 tensor on the device: the learning rate
   double hyper[kMaxHyper];     // the policy's hyperparameters, in its kHyper order
   HyperRef hyper_ref[kMaxHyper];  // per hyperparameter: nullptr, or a tensor on the device that the
                                //   update reads instead of hyper[i] (core/optim/common.h)

@@ -329,6 +329,20 @@ def hyper_args(policy: str, hyper: dict) -> tuple:
     return [0.0 if t is not None else float(v) for v, t in zip(values, tensors)], tensors
 
 
+def _traced_floats(policy: str, lr, hyper: dict, device: torch.device) -> tuple:
+    """Under torch.compile: the lr, and the hyperparameters the update may read from a tensor (Adam's betas,
+    SGD's weight_decay), as float64 tensors made in the graph from the Python numbers (exact: 1.0 * x). The
+    operator's ``float`` arguments make dynamo compile once per value, so a scheduled lr (or OneCycleLR's
+    cycled betas) recompiled every step until torch's recompile limit; a tensor made from the traced number
+    keeps it symbolic. The update reads float64 as the number itself: the bits are eager's."""
+    def traced(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return torch.ones((), dtype=torch.float64, device=device) * v
+        return v
+    names = _POLICIES[policy].get("tensor_hyper", ())
+    return traced(lr), {k: traced(v) if k in names else v for k, v in hyper.items()}
+
+
 # optim_step_'s schema positions of what changes from step to step (OptimCall.args fills them)
 _GRADS, _LR, _LR_TENSOR, _HYPER, _HYPER_TENSORS, _SCALARS, _COUNTER, _WRITE_GRAD = 2, 11, 12, 13, 14, 15, 20, 21
 
@@ -393,6 +407,8 @@ class OptimCall:
         if params is not None:
             args[1] = params
         args[_GRADS] = grads
+        if torch.compiler.is_compiling() and args[1] and isinstance(hyper, dict):
+            lr, hyper = _traced_floats(self._args[0], lr, hyper, args[1][0].device)
         if isinstance(lr, torch.Tensor):
             args[_LR_TENSOR] = lr
         else:

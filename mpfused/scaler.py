@@ -713,7 +713,11 @@ class GradScaler(torch.amp.GradScaler):
     # ---- step and update ----------------------------------------------------------------------------------
     def step(self, optimizer, *args: Any, **kwargs: Any):
         """torch's step(); with a fused optimizer the skip is decided on the device (no sync)."""
-        if not self._enabled or not isinstance(optimizer, FusedOptimizer):
+        if not self._enabled:
+            # torch's rule, here rather than through torch's step(), which torch.compile does not trace (a
+            # disabled scaler, as amp's O0 and O3 make, broke a fullgraph compile of the iteration)
+            return optimizer.step(*args, **kwargs)
+        if not isinstance(optimizer, FusedOptimizer):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")

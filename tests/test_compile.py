@@ -233,6 +233,23 @@ def test_seed_and_offset_that_change_between_calls_compile_whole(device):
     for s, k in ((1, 0), (2, 8), (3, 13), (2**63 + 5, 2**64 - 300)):
         assert torch.equal(rs(x, s, k), mpfused.round_stochastic(x, torch.bfloat16, seed=s, offset=k))
         assert torch.equal(q(x, s, k), fxp.quantize(x, 4, 8, rounding="stochastic", seed=s, offset=k))
+    # and stay symbolic: a seed or offset that changes at every call (a step count, a position in a stream)
+    # compiles twice, not once per value (the operators' schemas take SymInt; with int, every value was a
+    # recompile, and the ninth call of a fullgraph compile raised at torch's recompile limit)
+    a = fxp.encode(torch.randn(8, 16, device=device), 4, 8)
+    mm = torch.compile(lambda a, s: fxp.matmul(a, a.t().contiguous(), (4, 8), (4, 8), (6, 10), rounding="stochastic",
+                                                 seed=s), fullgraph=True)
+    for fn, call, ref in ((rs, lambda f, i: f(x, i, 300 * i), lambda i: mpfused.round_stochastic(
+                               x, torch.bfloat16, seed=i, offset=300 * i)),
+                          (q, lambda f, i: f(x, i, i), lambda i: fxp.quantize(x, 4, 8, rounding="stochastic", seed=i,
+                                                                               offset=i)),
+                          (mm, lambda f, i: f(a, i), lambda i: fxp.matmul(a, a.t().contiguous(), (4, 8), (4, 8), (6, 10),
+                                                                          rounding="stochastic", seed=i))):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for i in range(20, 32):
+            assert torch.equal(call(fn, i), ref(i))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     with pytest.raises(Exception, match="offset"):  # still checked: 2**64 - 299 + 300 elements pass 2**64
         rs(x, 5, 2**64 - 299)
 
@@ -286,6 +303,37 @@ def test_compiled_step_matches_eager(device, case):
     """torch.compile(opt.step, fullgraph=True): the state made in the first step, and every later step,
     bit for bit as eager, a changed lr included."""
     assert_same(step_run(case, device, compiled=False), step_run(case, device, compiled=True))
+
+
+@pytest.mark.parametrize("case", ["adamw-fp16-masters", "adamw-fp16-stochastic", "sgd-fp32", "lion"])
+def test_a_scheduled_lr_and_betas_compile_once(device, case):
+    """A float lr that changes at every step (any LR scheduler), and Adam's betas cycled as floats
+    (OneCycleLR's cycle_momentum), SGD's weight_decay: 12 compiled steps (fullgraph=True) take at most two
+    graphs and equal eager bit for bit. The operator's float arguments made dynamo compile once per value:
+    the ninth step raised at torch's recompile limit."""
+    def run(compiled):
+        cls, dtype, kwargs = STEP_CASES[case]
+        torch.manual_seed(0)
+        params = [torch.randn(33, 7, device=device).to(dtype).requires_grad_()]
+        opt = cls(params, **kwargs)
+        step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") if compiled else opt.step
+        g = torch.Generator().manual_seed(1)
+        group = opt.param_groups[0]
+        for i in range(12):
+            params[0].grad = torch.randn(params[0].shape, generator=g).to(device=device, dtype=dtype)
+            step()
+            group["lr"] *= 0.9
+            if cls in (mo.FusedAdam, mo.FusedAdamW):  # (Lion's betas are numbers to the kernel: constants)
+                group["betas"] = (0.85 + 0.01 * i, group["betas"][1])
+            if cls is mo.FusedSGD:
+                group["weight_decay"] = 1e-3 * (i + 2)
+        return snapshot(opt, params)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run(True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    assert_same(run(False), compiled)
 
 
 @pytest.mark.parametrize("case", ["adamw-fp16-masters", "lamb", "lion", "sgd-nesterov"])
@@ -371,6 +419,31 @@ def test_iteration_has_no_graph_break(device):
     x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         assert graph_breaks(iteration, x, y, torch.tensor(1.0, device=device)) == 0
+
+
+def test_a_disabled_scaler_iteration_compiles_whole(device):
+    """A disabled scaler (amp's O0 and O3 make one) in the same loop: compiled with fullgraph=True and equal to
+    eager. Its step() went through torch's GradScaler.step, which torch.compile does not trace."""
+    def run(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 3).to(device)
+        opt = mo.FusedAdamW(model.parameters(), lr=1e-2)
+        scaler = mpfused.GradScaler(device, enabled=False)
+
+        def iteration(x):
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        fn = torch.compile(iteration, fullgraph=True, backend="aot_eager") if compiled else iteration
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            fn(torch.randn(4, 8, generator=g).to(device))
+        return snapshot(opt, list(model.parameters()))
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        assert_same(run(False), run(True))
 
 
 # ---- capturable: nothing on the host -------------------------------------------------------------------

@@ -60,7 +60,7 @@ struct OptimConsts {
   double hyper[kMaxHyper];
   HyperRef hyper_ref[kMaxHyper];
   double lr;
-  const float* lr_ptr;
+  HyperRef lr_ref;
   const float* inv_scale;
   const float* grad_scale;
   const float* clip_sumsq;
@@ -123,7 +123,7 @@ __device__ __forceinline__ BlockConsts<P> block_consts(const OptimLaunch& a, con
     b.clip = clip_coefficient(*c.clip_sumsq, c.max_norm);
     grad_norm = sqrt(static_cast<double>(*c.clip_sumsq)) * b.clip;
   }
-  const double lr = c.lr_ptr ? static_cast<double>(*c.lr_ptr) : c.lr;
+  const double lr = read_hyper(c.lr_ref, c.lr);
   const float taken = a.step[slot] ? *a.step[slot] : 0.f;
   b.sc = P::scalars(h, StepContext{lr, static_cast<double>(taken) + 1.0, grad_norm});
   b.f = RuntimeFlags{P::flags(h)};
@@ -581,7 +581,7 @@ void launch_policy(const OptimArgs& a, const ScratchAllocator& scratch, cudaStre
     consts.hyper_ref[i] = a.hyper_ref[i];
   }
   consts.lr = a.lr;
-  consts.lr_ptr = a.lr_ptr;
+  consts.lr_ref = a.lr_ref;
   consts.inv_scale = a.inv_scale;
   consts.grad_scale = a.grad_scale;
   consts.clip_sumsq = a.clip_sumsq;

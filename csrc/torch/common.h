@@ -36,6 +36,9 @@ using mpf::DType;
 // A Python int in [0, 2^64) travels through a schema's `int` (int64) as its two's-complement bit pattern:
 // mpfused._ops.u64_arg maps it there, and this maps it back.
 inline uint64_t u64_of(int64_t v) { return static_cast<uint64_t>(v); }
+// A seed or offset the schema declares SymInt (torch.compile keeps an int that changes between calls symbolic
+// instead of compiling once per value): concrete when a kernel runs.
+inline uint64_t u64_of(const c10::SymInt& v) { return u64_of(v.expect_int()); }
 
 inline std::string describe(const at::Tensor& t) {
   std::ostringstream s;

@@ -92,16 +92,16 @@ at::Tensor quantize_impl(const at::Tensor& x, int64_t il, int64_t fl, bool stoch
   return dst;
 }
 
-at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed,
-                                int64_t offset, at::ScalarType out_dtype) {
-  return quantize_impl(x, il, fl, stochastic, seed, offset, out_dtype, std::nullopt, "out_dtype");
+at::Tensor fixed_point_quantize(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, c10::SymInt seed,
+                                c10::SymInt offset, at::ScalarType out_dtype) {
+  return quantize_impl(x, il, fl, stochastic, seed.expect_int(), offset.expect_int(), out_dtype, std::nullopt, "out_dtype");
 }
 
 // The same into `out`, a contiguous tensor of x's shape on its device whose dtype is the output's.
-void fixed_point_quantize_out_(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, int64_t seed,
-                               int64_t offset, const at::Tensor& out) {
+void fixed_point_quantize_out_(const at::Tensor& x, int64_t il, int64_t fl, bool stochastic, c10::SymInt seed,
+                               c10::SymInt offset, const at::Tensor& out) {
   check_dense(out, "out");
-  quantize_impl(x, il, fl, stochastic, seed, offset, out.scalar_type(), out, "out's dtype");
+  quantize_impl(x, il, fl, stochastic, seed.expect_int(), offset.expect_int(), out.scalar_type(), out, "out's dtype");
 }
 
 void check_codes(const at::Tensor& t, const std::string& name, FixedType* type) {
@@ -113,8 +113,8 @@ void check_codes(const at::Tensor& t, const std::string& name, FixedType* type) 
 
 // The codes of fmt_out of a @ b: exact int64 sums rounded once. Formats as (il, fl) pairs.
 at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t il_a, int64_t fl_a, int64_t il_b,
-                              int64_t fl_b, int64_t il_out, int64_t fl_out, bool stochastic, int64_t seed_bits,
-                              int64_t offset_bits, at::ScalarType out_dtype) {
+                              int64_t fl_b, int64_t il_out, int64_t fl_out, bool stochastic, c10::SymInt seed_bits,
+                              c10::SymInt offset_bits, at::ScalarType out_dtype) {
   const uint64_t seed = u64_of(seed_bits), offset = u64_of(offset_bits);
   FixedType a_type, b_type, out_type;
   check_codes(a, "a_codes", &a_type);
@@ -185,12 +185,12 @@ at::Tensor fixed_point_matmul(const at::Tensor& a, const at::Tensor& b, int64_t 
 using namespace mpf_torch;
 
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
-  m.def("fixed_point_quantize(Tensor x, int il, int fl, bool stochastic, int seed, int offset, ScalarType out_dtype) "
+  m.def("fixed_point_quantize(Tensor x, int il, int fl, bool stochastic, SymInt seed, SymInt offset, ScalarType out_dtype) "
         "-> Tensor");
-  m.def("fixed_point_quantize_out_(Tensor x, int il, int fl, bool stochastic, int seed, int offset, Tensor(a!) out) "
+  m.def("fixed_point_quantize_out_(Tensor x, int il, int fl, bool stochastic, SymInt seed, SymInt offset, Tensor(a!) out) "
         "-> ()");
   m.def("fixed_point_matmul(Tensor a, Tensor b, int il_a, int fl_a, int il_b, int fl_b, int il_out, int fl_out, "
-        "bool stochastic, int seed, int offset, ScalarType out_dtype) -> Tensor");
+        "bool stochastic, SymInt seed, SymInt offset, ScalarType out_dtype) -> Tensor");
 }
 MPF_TORCH_IMPL_CPU_CUDA("fixed_point_quantize", &fixed_point_quantize)
 MPF_TORCH_IMPL_CPU_CUDA("fixed_point_quantize_out_", &fixed_point_quantize_out_)

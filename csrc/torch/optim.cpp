@@ -182,8 +182,10 @@ void fill_common(mpf::OptimArgs& a, double lr, const std::optional<at::Tensor>& 
   }
   a.lr = lr;
   if (lr_tensor) {
-    check_scalar(*lr_tensor, "lr", device);
-    a.lr_ptr = lr_tensor->data_ptr<float>();
+    // float32 (torch's tensor lr) or float64 (what a compiled step makes of a float lr: its exact value); on
+    // the CPU its value is checked as a number's
+    constexpr mpf::HyperSpec kLr{"lr", 0.0, mpf::kInf, false, false, true};
+    a.lr_ref = hyper_ref(&*lr_tensor, kLr, device);
   } else {
     check_hyper(lr, "lr", 0.0, false, INFINITY, false);
   }

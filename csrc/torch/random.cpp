@@ -17,7 +17,7 @@ mpf::RandomArgs random_args(int64_t numel, uint64_t seed, uint64_t offset, uint3
 
 // The random bits of elements offset .. offset + out.numel() - 1 of stream (s0, s1), as int32 bit patterns,
 // into out (int32, contiguous; its device runs the generator).
-void philox_words_(int64_t seed, int64_t offset, int64_t s0, int64_t s1, const at::Tensor& out) {
+void philox_words_(c10::SymInt seed, c10::SymInt offset, int64_t s0, int64_t s1, const at::Tensor& out) {
   check_dense(out, "out");
   check_backend(out.device(), "out");
   if (out.scalar_type() != at::kInt || !out.is_contiguous())
@@ -87,11 +87,11 @@ at::Tensor round_stochastic_impl(const at::Tensor& x, at::ScalarType dtype, uint
   return dst;
 }
 
-at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, int64_t seed, int64_t offset) {
+at::Tensor round_stochastic(const at::Tensor& x, at::ScalarType dtype, c10::SymInt seed, c10::SymInt offset) {
   return round_stochastic_impl(x, dtype, u64_of(seed), u64_of(offset), std::nullopt);
 }
 
-void round_stochastic_out_(const at::Tensor& x, int64_t seed, int64_t offset, const at::Tensor& out) {
+void round_stochastic_out_(const at::Tensor& x, c10::SymInt seed, c10::SymInt offset, const at::Tensor& out) {
   check_dense(out, "out");
   const at::ScalarType dtype = out.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) fail("out must be a float16 or bfloat16 tensor, got a " + describe(out));
@@ -104,10 +104,10 @@ void round_stochastic_out_(const at::Tensor& x, int64_t seed, int64_t offset, co
 using namespace mpf_torch;
 
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
-  m.def("philox_words_(int seed, int offset, int s0, int s1, Tensor(a!) out) -> ()");
+  m.def("philox_words_(SymInt seed, SymInt offset, int s0, int s1, Tensor(a!) out) -> ()");
   m.def("philox4x32_10(Tensor counters, int k0, int k1) -> Tensor");
-  m.def("round_stochastic(Tensor x, ScalarType dtype, int seed, int offset) -> Tensor");
-  m.def("round_stochastic_out_(Tensor x, int seed, int offset, Tensor(a!) out) -> ()");
+  m.def("round_stochastic(Tensor x, ScalarType dtype, SymInt seed, SymInt offset) -> Tensor");
+  m.def("round_stochastic_out_(Tensor x, SymInt seed, SymInt offset, Tensor(a!) out) -> ()");
 }
 MPF_TORCH_IMPL_CPU_CUDA("philox_words_", &philox_words_)
 MPF_TORCH_IMPL_CPU_CUDA("philox4x32_10", &philox4x32_10)
