@@ -23,6 +23,17 @@ from typing import Optional
 import torch
 
 
+def agreed_seed(seed: int) -> int:
+    """``seed`` where torch.distributed has no default process group of several ranks; else rank 0's (a
+    broadcast, one collective: every rank must call it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return seed
+    box = [seed]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
 def dtensor_type():
     """torch's DTensor class if its module is loaded (else no DTensor exists), or None."""
     mod = sys.modules.get("torch.distributed.tensor")

@@ -872,10 +872,15 @@ class FusedOptimizer(Optimizer):
                         p.grad = None
 
     def _default_seed(self) -> int:
-        """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer."""
+        """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer. Under
+        torch.distributed (a default process group of several ranks), rank 0's draw, broadcast to every rank
+        as the group is added: replicas (DDP, HSDP) and shards (FSDP2) must round with one seed, and scripts
+        seed torch per rank (dropout, augmentation), so each rank's own draw differed and the replicas
+        drifted apart from the first step. Every rank builds its optimizer, as DDP and FSDP need anyway."""
         seed = self.__dict__.get("_mpf_seed")
         if seed is None:
-            seed = self.__dict__["_mpf_seed"] = draw_seed()
+            seed = _dist.agreed_seed(draw_seed())
+            self.__dict__["_mpf_seed"] = seed
         return seed
 
     def add_param_group(self, param_group: dict) -> None:
