@@ -469,6 +469,83 @@ def test_load_state_dict_rejects_a_step_of_several_elements():
     assert opt.state[p]["step"].item() == 1.0
 
 
+def _snapshot_optimizer(opt):
+    return copy.deepcopy({"groups": opt.param_groups, "state": {id(p): dict(s) for p, s in opt.state.items()}})
+
+
+def _same_optimizer(a, b):
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a["groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in b["groups"]]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys()
+        for key, v in a["state"][k].items():
+            assert torch.equal(v, b["state"][k][key]), key
+
+
+def test_a_bad_state_dict_is_refused_whole_and_the_optimizer_stays_as_it_was():
+    """Every entry is checked before the optimizer changes, and what only the loaded state can tell (a
+    remainder against its param) puts the optimizer back as it was: a number where a state tensor belongs,
+    a wrongly shaped state, and a count that is not one (NaN or negative: the next step wrote NaN params)."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = FusedAdam([p, q], lr=0.1, master_weights="remainder")
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    before = _snapshot_optimizer(opt)
+
+    def bad(edit):
+        sd = copy.deepcopy(good)
+        edit(sd)
+        return sd
+
+    cases = [
+        (bad(lambda sd: sd["state"][0].__setitem__("exp_avg", 3)), r"state 'exp_avg' of param 0 .* must be a tensor, got int"),
+        (bad(lambda sd: sd["state"][1].__setitem__("exp_avg_sq", torch.zeros(5))), r"state 'exp_avg_sq' of param 1 .* shape \(3,\)"),
+        # a wrongly shaped remainder while the group switches to FP32 masters (the group's key changed too)
+        (bad(lambda sd: (sd["state"][1].__setitem__("master_remainder", torch.zeros(5, dtype=torch.int16)),
+                         sd["param_groups"][0].__setitem__("master_weights", True))), r"state 'master_remainder' of param 1"),
+        (bad(lambda sd: sd["state"][0].__setitem__("step", float("nan"))), r"state 'step' must be a count >= 0, got nan"),
+        (bad(lambda sd: sd["state"][0].__setitem__("step", torch.tensor(-5.0))), r"state 'step' must be a count >= 0"),
+        (bad(lambda sd: sd["state"][0].__setitem__("step", "3")), r"state 'step' must be a number .* got str"),
+        (bad(lambda sd: sd["state"][0].__setitem__("step", torch.zeros((), device="meta"))), r"state 'step' .* meta"),
+        (bad(lambda sd: sd["state"].__setitem__(0, 7)), r"state 0 of the loaded state dict must be a dict"),
+    ]
+    for sd, match in cases:
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        _same_optimizer(before, _snapshot_optimizer(opt))
+    # and the optimizer still steps as before (its plan and its state kept)
+    twin = FusedAdam([torch.nn.Parameter(p.detach().clone()), torch.nn.Parameter(q.detach().clone())], lr=0.1,
+                     master_weights="remainder")
+    twin.load_state_dict(good)
+    for o in (opt, twin):
+        for t in o.param_groups[0]["params"]:
+            t.grad = torch.full_like(t, 0.5)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"]))
+
+
+def test_a_failure_after_the_state_is_installed_puts_the_optimizer_back(monkeypatch):
+    """What only the installed state can tell (here: _after_load raising) restores the groups and state."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    before = _snapshot_optimizer(opt)
+
+    def fail(*args):
+        raise RuntimeError("refused")
+    monkeypatch.setattr(type(opt), "_after_load", fail)
+    with pytest.raises(RuntimeError, match="refused"):
+        opt.load_state_dict(sd)
+    _same_optimizer(before, _snapshot_optimizer(opt))
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 def test_bad_params_and_grads_raise_before_anything_is_written():
     good = torch.nn.Parameter(torch.randn(6))
     cases = []

@@ -1627,9 +1627,20 @@ class FusedOptimizer(Optimizer):
                 value = _dist.local(value)
             # a copy: the kernels count steps in place, and a state dict taken from a live optimizer must not
             # share its counters with this one
+            if isinstance(value, bool) or not (isinstance(value, torch.Tensor) or _is_real(value)):
+                raise ValueError(f"state 'step' must be a number or a one-element tensor, got {type(value).__name__} "
+                                 f"{value!r}")
+            if isinstance(value, torch.Tensor) and (value.is_meta or value.is_complex() or value.dtype == torch.bool):
+                raise ValueError(f"state 'step' must be a real number or a one-element tensor that holds one, got a "
+                                 f"{value.dtype} tensor on {value.device}")
             step = torch.as_tensor(value, dtype=torch.float32)
             if step.numel() != 1:
                 raise ValueError(f"state 'step' must be a number or a one-element tensor, got shape {tuple(step.shape)}")
+            # (a count: the bias corrections of a NaN or negative one made NaN params at the next step; read on
+            # the host once, at load, where torch reads it too)
+            count = float(step.reshape(()).item())
+            if not (math.isfinite(count) and count >= 0):
+                raise ValueError(f"state 'step' must be a count >= 0, got {count}")
             return step.to(param.device).reshape(()).clone()
         if key == "master_remainder" and isinstance(value, torch.Tensor):
             # int16 bits, never cast through a float dtype, in the param's memory layout
@@ -1703,9 +1714,21 @@ class FusedOptimizer(Optimizer):
         id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups),
                           chain.from_iterable(g["params"] for g in groups)))
         state: defaultdict = defaultdict(dict)
+        tensor_keys = set(_POLICY_STATES[self._policy]) | {"master_param", "master_remainder"}
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]
+                if not isinstance(v, dict):
+                    raise ValueError(f"state {k!r} of the loaded state dict must be a dict, got {type(v).__name__} "
+                                     "(nothing was loaded)")
+                for key, value in v.items():  # (None: torch's SGD without momentum saves momentum_buffer as None)
+                    if key in tensor_keys and value is not None and not isinstance(value, torch.Tensor):
+                        raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must be a tensor, "
+                                         f"got {type(value).__name__} (nothing was loaded)")
+                    if key in tensor_keys and isinstance(value, torch.Tensor) and not _dist.is_dtensor(param) \
+                            and not _dist.is_dtensor(value) and value.shape != param.shape:
+                        raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must have the param's "
+                                         f"shape {tuple(param.shape)}, got {tuple(value.shape)} (nothing was loaded)")
                 state[param] = {key: self._load_value(param, key, value) for key, value in v.items()}
             else:
                 state[k] = v
@@ -1727,19 +1750,31 @@ class FusedOptimizer(Optimizer):
             check_precision(ng, where)
             for i, p in enumerate(ng["params"]):
                 check_remainder_dtype(ng, f" of param group {gi} of the loaded state dict (nothing was loaded)", i, p)
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        if self.defaults.get("seed") is None:
-            # The seed this optimizer draws for stochastic groups with seed None is the saved run's: the seed
-            # of its first stochastic group (so a group added after a resume rounds as it would have in the
-            # run that saved the dict, where it would have taken that run's drawn seed)
-            saved_seed = next((g["seed"] for g in self.param_groups
-                               if g.get("rounding") == "stochastic" and type(g.get("seed")) is int), None)
-            if saved_seed is not None:
-                self.__dict__["_mpf_seed"] = saved_seed
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self.state.get(p):
-                    self._after_load(group, p, self.state[p])
+        # From here the loaded state is checked as a step would use it (_after_load: shapes, dtypes, devices,
+        # remainders against params); on an error the optimizer is put back as it was, whole.
+        kept = {key: self.__dict__.get(key) for key in ("state", "param_groups", "_mpf_seed", "_mpf_plan",
+                                                        "_mpf_versions", "_mpf_spans", "_mpf_memory")}
+        try:
+            self.__setstate__({"state": state, "param_groups": new_groups})
+            if self.defaults.get("seed") is None:
+                # The seed this optimizer draws for stochastic groups with seed None is the saved run's: the seed
+                # of its first stochastic group (so a group added after a resume rounds as it would have in the
+                # run that saved the dict, where it would have taken that run's drawn seed)
+                saved_seed = next((g["seed"] for g in self.param_groups
+                                   if g.get("rounding") == "stochastic" and type(g.get("seed")) is int), None)
+                if saved_seed is not None:
+                    self.__dict__["_mpf_seed"] = saved_seed
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self.state.get(p):
+                        self._after_load(group, p, self.state[p])
+        except Exception:
+            for key, value in kept.items():
+                if value is None:
+                    self.__dict__.pop(key, None)
+                else:
+                    self.__dict__[key] = value
+            raise
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
