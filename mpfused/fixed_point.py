@@ -505,6 +505,11 @@ class FixedPointSGD(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 where = f"param {i} of param group {gi}"
+                if p.dtype != torch.float32:  # (add_param_group checked it; `p.data = p.data.half()` may come after)
+                    raise ValueError(f"{where} must be a float32 tensor (holding fixed-point values), got {p.dtype}")
+                if p.is_inference() and not torch.is_inference_mode_enabled():
+                    raise ValueError(f"{where} is an inference tensor (made under torch.inference_mode), which a step "
+                                     "outside inference mode cannot write in place")
                 if torch._debug_has_internal_overlap(p) == 1:  # (1: MemOverlap::Yes)
                     raise ValueError(f"{where} has elements that share memory (an expand()ed tensor), which a step "
                                      "cannot write in place")

@@ -796,6 +796,31 @@ def test_fixed_point_sgd_checks_added_groups_and_unwritable_params_before_writin
     assert p.tolist() == [-0.5] * 3
 
 
+def test_fixed_point_sgd_refuses_a_param_made_half_or_an_inference_param_before_writing():
+    """add_param_group checks the dtype, but `p.data = p.data.half()` (model.half() after the optimizer was
+    built) came after it, and the step wrote FP16 values off the grid; an inference tensor raised in its
+    write, after the params before it and their states had been written."""
+    def make():
+        a = torch.nn.Parameter(torch.ones(4))
+        b = torch.nn.Parameter(torch.ones(4))
+        a.grad, b.grad = torch.full((4,), 0.5), torch.ones(4)
+        return a, b, fxp.FixedPointSGD([a, b], lr=0.25, fmt=(4, 4), rounding="nearest")
+
+    a, b, opt = make()
+    b.data = b.data.half()
+    with pytest.raises(ValueError, match="param 1 of param group 0 must be a float32 tensor"):
+        opt.step()
+    assert a.tolist() == [1.0] * 4 and not opt.state
+    a, b, opt = make()
+    with torch.inference_mode():
+        frozen = torch.nn.Parameter(torch.ones(4))
+    frozen.grad = torch.ones(4)
+    opt.param_groups[0]["params"][1] = frozen
+    with pytest.raises(ValueError, match="param 1 of param group 0 is an inference tensor"):
+        opt.step()
+    assert a.tolist() == [1.0] * 4 and not opt.state
+
+
 @pytest.mark.parametrize("fmt", [(1, 0), (4, 12), (8, 8), (2, 22), (12, 12), (1, 23)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_fp32_arithmetic_gives_the_fp64_codes(device, fmt, rounding):
