@@ -491,7 +491,10 @@ def _number(x, name: str) -> float:
     # synchronise the host with the device.
     if isinstance(x, (bool, torch.Tensor)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a Python int or float, got {type(x).__name__}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # (an int beyond any float, such as 10**400)
+        raise ValueError(f"{name} must be a number within float range, got an int of {int(x).bit_length()} bits") from None
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,

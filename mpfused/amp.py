@@ -269,7 +269,10 @@ def _check_loss_scale(loss_scale) -> Union[str, float]:
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):  # (numpy scalars too)
         raise ValueError(f"loss_scale must be \"dynamic\" or a positive number, got {type(loss_scale).__name__} "
                          f"{loss_scale!r}")
-    value = float(loss_scale)
+    try:
+        value = float(loss_scale)
+    except OverflowError:  # (an int beyond any float)
+        value = math.inf
     if not math.isfinite(value) or value < 2.0**-126 or value > 3.4e38:  # (the scaler's float32 range: 2**-126 up)
         raise ValueError(f"loss_scale must be a positive finite number in [2**-126, 3.4e38] (a static scale) or "
                          f"\"dynamic\", got {loss_scale!r}")

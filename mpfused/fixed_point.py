@@ -410,6 +410,14 @@ class FixedPointLinear(nn.Module):
                 f"grad_fmt={self.grad_fmt}, bias={self.bias is not None}, rounding={self.rounding!r}, seed={self.seed}")
 
 
+def _float_or_inf(value: numbers.Real) -> float:
+    """float(value), or inf for an int beyond float range (float() raises OverflowError there)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 class FixedPointSGD(torch.optim.Optimizer):
     """SGD whose weights stay on a fixed-point grid: ``w <- Convert(w - lr * d, fmt)`` with ``d`` the
     gradient (or, with ``momentum``, the buffer ``m <- momentum * m + g``, held in float32). The update
@@ -439,7 +447,7 @@ class FixedPointSGD(torch.optim.Optimizer):
         if group["rounding"] not in _ROUNDINGS:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic'{where}, got {group['rounding']!r}")
         lr, momentum = group["lr"], group["momentum"]
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0 and math.isfinite(lr)):
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0 and math.isfinite(_float_or_inf(lr))):
             raise ValueError(f"lr must be a finite number >= 0{where}, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1){where}, got {momentum!r}")

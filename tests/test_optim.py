@@ -546,6 +546,22 @@ def test_a_failure_after_the_state_is_installed_puts_the_optimizer_back(monkeypa
     assert opt.param_groups[0]["lr"] == 0.1
 
 
+def test_an_int_beyond_float_range_is_a_value_error_naming_the_argument():
+    """10**400 made float() raise a bare OverflowError that named nothing."""
+    import mpfused.fixed_point as fxp
+    huge = 10**400
+    p = torch.nn.Parameter(torch.ones(2))
+    for call, match in [(lambda: FusedAdam([p], lr=huge), "Invalid learning rate: an int too large for a float"),
+                        (lambda: FusedAdam([p], lr=0.1, weight_decay=huge), "Invalid weight_decay value"),
+                        (lambda: mpfused.gemm(torch.ones(2, 2).half(), torch.ones(2, 2).half(), alpha=huge),
+                         "alpha must be a number within float range"),
+                        (lambda: mpfused.amp.initialize(torch.nn.Linear(2, 2), None, "O2", loss_scale=huge),
+                         "loss_scale must be a positive finite number"),
+                        (lambda: fxp.FixedPointSGD([p], lr=huge, fmt=(4, 4)), "lr must be a finite number")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_bad_params_and_grads_raise_before_anything_is_written():
     good = torch.nn.Parameter(torch.randn(6))
     cases = []

@@ -71,7 +71,10 @@ def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_ope
         # A float that changes between compiled steps (a scheduled lr) is symbolic there, and Python cannot
         # compare it; the operator checks every number it is given, before it writes anything.
         return
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # (an int beyond any float, such as 10**400)
+        raise ValueError(f"Invalid {name}: an int too large for a float{where}") from None
     if not math.isfinite(v) or not (lo <= v <= hi) or (hi_open and v == hi):
         raise ValueError(f"Invalid {name}: {value}{where}")
 
