@@ -562,6 +562,46 @@ def test_an_int_beyond_float_range_is_a_value_error_naming_the_argument():
             call()
 
 
+def test_the_step_refuses_tensors_it_writes_that_share_memory():
+    """A grad shared by two params in a scaled step (unscaled twice, the second param's update off by the
+    scale), a param listed twice in the operator (one update lost), a state pointed at another with `.data`
+    (the planned step took it, each update reading the other's writes), a state that is the param itself:
+    refused, naming both, before anything is written. A CPU lr tensor's value is checked as a number's."""
+    from mpfused.optim import StepScaling
+    p1, p2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    shared = torch.full((4,), 8.0)
+    p1.grad = p2.grad = shared
+    with pytest.raises(ValueError, match=r"grads\[0\] and grads\[1\] share memory.* unscaled twice"):
+        FusedSGD([p1, p2], lr=1.0).step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+    assert p1.tolist() == p2.tolist() == [1.0] * 4 and shared.tolist() == [8.0] * 4
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=0.1)
+    for _ in range(3):  # (from the third step on, the planned step)
+        p.grad = torch.full((3,), 0.5)
+        opt.step()
+    st = opt.state[p]
+    st["exp_avg_sq"].data = st["exp_avg"].data
+    before = p.detach().clone()
+    p.grad = torch.full((3,), 0.5)
+    with pytest.raises(ValueError, match=r"exp_avg\[0\] and exp_avg_sq\[0\] share memory"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+    op = torch.ops.mpfused.optim_step_
+    q = torch.ones(4)
+    sgd_tail = (None, [0.0] * 5, [], None, None, None, math.inf, None, None, False, "nearest", 0, [])
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] share memory"):
+        op("sgd", [q, q], [torch.full((4,), 0.5)] * 2, [], [], [], [], [], [], [], [], 0.1, *sgd_tail)
+    with pytest.raises(ValueError, match=r"params\[0\] and exp_avg\[0\] share memory"):
+        op("lion", [q], [torch.full((4,), 0.5)], [], [], [], [], [q], [0], [], [], 0.1, None, [0.9, 0.99, 0.0, 0.0], [],
+           None, None, None, math.inf, None, None, False, "nearest", 0, [])
+    with pytest.raises(ValueError, match=r"invalid lr: nan"):
+        op("sgd", [q], [torch.full((4,), 0.5)], [], [], [], [], [], [], [], [], 0.0, torch.tensor([math.nan]),
+           *sgd_tail[1:])
+    assert q.tolist() == [1.0] * 4
+
+
 def test_bad_params_and_grads_raise_before_anything_is_written():
     good = torch.nn.Parameter(torch.randn(6))
     cases = []

@@ -208,6 +208,54 @@ void run_optim(const mpf::OptimArgs& a, const at::Device& device) {
 #endif
 }
 
+// Every tensor a step writes apart in memory from every other it writes: a grad shared by two params (with
+// write_grad: unscaled twice), a param listed twice (one update lost), a state pointed at another state or at
+// its param by `.data = ...` (each update read the other's writes). The spans sorted by start, each compared
+// with the furthest-reaching span before it. (The grads it only reads may be anything: a grad that is its
+// param's own memory reads each element before the element is written, as in torch's update.)
+void check_written_apart(const std::vector<mpf::OptimTensor>& tensors, bool write_grad, const char* const* state_names,
+                         int num_states) {
+  struct Span {
+    uintptr_t begin, end;
+    uint32_t index;
+    int32_t role;  // -1 param, -2 grad, -3 master, -4 remainder, -5 step, s >= 0 state s
+  };
+  std::vector<Span> spans;
+  spans.reserve(tensors.size() * static_cast<size_t>(4 + num_states));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const mpf::OptimTensor& t = tensors[i];
+    const int64_t n = t.numel;
+    const auto add = [&](const void* ptr, int64_t bytes, int32_t role) {
+      if (ptr && bytes > 0) {
+        const auto b = reinterpret_cast<uintptr_t>(ptr);
+        spans.push_back({b, b + static_cast<uintptr_t>(bytes), static_cast<uint32_t>(i), role});
+      }
+    };
+    const int64_t param_bytes = n * (t.dtype == mpf::DType::kFloat32 ? 4 : 2);
+    add(t.param, param_bytes, -1);
+    if (write_grad) add(t.grad, param_bytes, -2);
+    add(t.master, n * 4, -3);
+    add(t.remainder, n * 2, -4);
+    for (int s = 0; s < num_states; ++s) add(t.state[s], n * 4, s);
+    add(t.step, 4, -5);
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
+  const auto name = [&](const Span& x) {
+    static const char* const kRoles[] = {"params", "grads", "masters", "remainders", "steps"};
+    return item(x.role >= 0 ? state_names[x.role] : kRoles[-x.role - 1], x.index);
+  };
+  size_t reach = 0;  // the span before the current one that ends last
+  for (size_t k = 1; k < spans.size(); ++k) {
+    const Span& prev = spans[reach];
+    const Span& cur = spans[k];
+    if (cur.begin < prev.end)
+      fail(name(prev) + " and " + name(cur) + " share memory, and the step writes both" +
+           (prev.role == -2 || cur.role == -2 ? " (a grad shared by two params would be unscaled twice)" : "") +
+           "; give each its own memory");
+    if (cur.end > prev.end) reach = k;
+  }
+}
+
 template <class P>
 void optim_step_with(at::TensorList params, at::TensorList grads, const TensorRefs& masters,
                      const TensorRefs& remainders, const std::vector<TensorRefs>& states, const TensorRefs& steps, double lr,
@@ -251,6 +299,7 @@ void optim_step_with(at::TensorList params, at::TensorList grads, const TensorRe
   const bool stochastic = rounding == mpf::Rounding::kStochastic;
   auto tensors = optim_tensors(params, grads, masters, remainders, states, P::kStates, P::state_mask(flags), steps,
                                P::needs_step(flags), stochastic, sr_offsets, device);
+  check_written_apart(tensors, write_grad, P::kStates, P::kNumStates);
   mpf::OptimArgs a{};
   mpf::optim_kind(P::kName, &a.kind);
   a.tensors = tensors.data();
