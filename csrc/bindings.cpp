@@ -430,7 +430,9 @@ struct PlainArgs {
       ok = false;
       return {};
     }
-    return THPVariable_Unpack(o.ptr());
+    at::Tensor t = THPVariable_Unpack(o.ptr());
+    if (t.layout() != at::kStrided || t.is_nested()) ok = false;  // (the Python path names the argument)
+    return t;
   }
   std::vector<at::Tensor> list(pybind11::handle o) {
     std::vector<at::Tensor> out;

@@ -87,7 +87,8 @@ def _tensor_list(tensors, name: str) -> list:
         out = list(tensors)
     except TypeError:
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}") from None
-    if any(intercepts_dispatch(t) or not isinstance(t, torch.Tensor) for t in out):  # then say which
+    if any(not isinstance(t, torch.Tensor) or intercepts_dispatch(t) or t.layout != torch.strided or t.is_nested
+           for t in out):  # then say which
         for i, t in enumerate(out):
             _plain(t, f"{name}[{i}]")
     return out
@@ -130,7 +131,20 @@ def _plain(t, name: str, optional: bool = False):
         raise TypeError(f"{name} is a tensor subclass ({type(t).__name__}) that overrides __torch_dispatch__ (such as "
                         "DTensor); mpfused's kernels take plain dense tensors. Pass its local data (for DTensor: "
                         ".to_local()).")
+    check_strided(t, name)
     return t
+
+
+def check_strided(t: torch.Tensor, name: str) -> None:
+    """A ValueError naming ``name`` (as the operators' own check_dense) for a nested or sparse tensor, which
+    the kernels cannot take: the dispatcher's message named a backend key ("NestedTensorCPU"), not the
+    argument, and Python code before the operator failed on one first."""
+    if t.is_nested:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got a nested tensor: pad it "
+                         "(torch.nested.to_padded_tensor) or pass its components")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got a {str(t.layout).replace('torch.', '')} "
+                         "tensor: convert it with .to_dense()")
 
 
 def non_finite_check_(

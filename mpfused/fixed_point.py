@@ -137,6 +137,7 @@ def _rounding(rounding) -> bool:
 def _tensor(x, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    _ops.check_strided(x, name)
     return x
 
 

@@ -602,6 +602,28 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
     assert q.tolist() == [1.0] * 4
 
 
+def test_nested_and_sparse_tensors_are_refused_naming_the_argument():
+    """The dispatcher's own message named a backend key ("NestedTensorCPU"), or torch raised an internal
+    error asking a nested tensor for its sizes."""
+    import warnings
+    import mpfused.fixed_point as fxp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's nested tensors are a prototype: it warns)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        p = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], requires_grad=True)
+        torch.nested.to_padded_tensor(p * 2, 0.0).sum().backward()
+    codes = torch.ones(2, 2, dtype=torch.int16)
+    for call, match in [
+            (lambda: mpfused.round_stochastic(nested, torch.float16, seed=1), "x must be a dense .strided. tensor, got a nested tensor"),
+            (lambda: mpfused.non_finite_check_([torch.ones(2), nested], torch.zeros(1)), r"tensors\[1\] must be a dense .strided. tensor, got a nested"),
+            (lambda: fxp.quantize(nested, 4, 4), "x must be a dense .strided. tensor, got a nested tensor"),
+            (lambda: mpfused.gemm(nested.half(), torch.ones(2, 2).half()), "a must be a dense .strided. tensor, got a nested"),
+            (lambda: fxp.matmul(codes.to_sparse(), codes, (4, 4), (4, 4), (4, 4)), "a_codes must be a dense .strided. tensor, got a sparse_coo"),
+            (lambda: FusedSGD([p], lr=0.1).step(), "nested params are not supported")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            call()
+
+
 def test_bad_params_and_grads_raise_before_anything_is_written():
     good = torch.nn.Parameter(torch.randn(6))
     cases = []

@@ -1164,10 +1164,13 @@ class FusedOptimizer(Optimizer):
         """Everything _check_param asks, in one expression for the common case (step()'s host time per
         param matters for models with many small tensors); False sends the param to _check_param."""
         g = p.grad
-        return (type(p) in _PLAIN_TYPES and type(g) in _PLAIN_TYPES and p.dtype in SUPPORTED_DTYPES
-                and g.dtype == p.dtype and p.layout == torch.strided and g.layout == torch.strided
-                and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p))
-                and (torch.compiler.is_compiling() or not p.is_inference()))
+        try:
+            return (type(p) in _PLAIN_TYPES and type(g) in _PLAIN_TYPES and p.dtype in SUPPORTED_DTYPES
+                    and g.dtype == p.dtype and p.layout == torch.strided and g.layout == torch.strided
+                    and g.shape == p.shape and g.device == p.device and (p.is_contiguous() or is_dense(p))
+                    and (torch.compiler.is_compiling() or not p.is_inference()))
+        except RuntimeError:  # (a nested tensor has no sizes to compare: _check_param names it)
+            return False
 
     @staticmethod
     def _param_kind_ok(p) -> bool:
@@ -1210,6 +1213,9 @@ class FusedOptimizer(Optimizer):
             bad = p if not is_plain_tensor(p) else g
             raise TypeError(f"{where}: the fused optimizers take plain tensors or DTensors, got a {type(bad).__name__} "
                             f"{'param' if bad is p else 'grad'}")
+        if p.is_nested or g.is_nested:  # (before anything asks for its sizes: a nested tensor has none)
+            raise ValueError(f"{where}: nested {'params' if p.is_nested else 'gradients'} are not supported by the "
+                             "fused optimizers (they update dense tensors)")
         if p.is_complex() or not p.is_floating_point():
             raise ValueError(f"{where}: the fused optimizers update float32/float16/bfloat16 params, got {p.dtype}")
         if p.dtype not in SUPPORTED_DTYPES:
