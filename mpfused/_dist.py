@@ -23,15 +23,20 @@ from typing import Optional
 import torch
 
 
-def agreed_seed(seed: int) -> int:
-    """``seed`` where torch.distributed has no default process group of several ranks; else rank 0's (a
-    broadcast, one collective: every rank must call it)."""
+def warn_drawn_seed() -> None:
+    """Where torch.distributed runs several ranks: a warning that a seed drawn from this rank's own torch
+    generator is the same on every rank only when every rank seeded torch alike (scripts often seed each
+    rank its own way, for dropout or data order: then DDP replicas round apart and drift from the first
+    step). Agreeing on one would need a collective at the optimizer's construction, which hangs any rank
+    that builds its optimizer alone."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return seed
-    box = [seed]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
+        return
+    import warnings
+
+    warnings.warn("rounding='stochastic' with seed=None under torch.distributed: the seed is drawn from this "
+                  "rank's torch generator, so ranks seeded differently round differently and DDP/FSDP replicas "
+                  "drift apart; pass the same seed= on every rank", UserWarning, stacklevel=4)
 
 
 def dtensor_type():

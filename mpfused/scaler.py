@@ -106,7 +106,7 @@ def _number(name: str, value, what: str) -> float:
     try:
         v = float(value)
     except OverflowError:  # (an int beyond any float, such as 10**400)
-        raise ValueError(f"{name} must be {what}, got an int too large for a float ({value.bit_length()} bits)") from None
+        raise ValueError(f"{name} must be {what}, got a number too large for a float") from None
     if math.isnan(v):
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return v
@@ -887,12 +887,16 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError(f"state_dict['dynamic'] must be a bool, got {dynamic!r}")
         skipped = _check_int("state_dict['_skipped_steps']", sd.get("_skipped_steps", self.skipped_steps), 0,
                              2**63 - 1, "2**63 - 1")
-        if dynamic:  # (the constructor's rule for init_scale; the clamps as the update applies them, in float32)
+        if dynamic:  # the clamps as the update applies them (in float32), applied to a scale outside them
             lo = 0.0 if min_scale is None else torch.tensor(min_scale, dtype=torch.float32).item()
             hi = math.inf if max_scale is None else torch.tensor(max_scale, dtype=torch.float32).item()
             if not lo <= sd["scale"] <= hi:
-                raise ValueError(f"state_dict['scale'] ({sd['scale']}) must lie in [min_scale, max_scale] = "
-                                 f"[{min_scale}, {max_scale}] (a dynamic scale is kept there)")
+                # (a torch scaler's dict under this scaler's clamps, or update(new_scale) past them, which torch's
+                # API allows: loaded as is, the next backoff raised the scale to min_scale, or a growth cut it)
+                clamped = min(max(sd["scale"], lo), hi)
+                warnings.warn(f"state_dict['scale'] ({sd['scale']}) lies outside [min_scale, max_scale] = "
+                              f"[{min_scale}, {max_scale}]: loaded as {clamped}", UserWarning, stacklevel=2)
+                sd["scale"] = clamped
         # every value is valid: write
         super().load_state_dict(sd)
         self._hysteresis, self._init_hysteresis_left = hysteresis, left

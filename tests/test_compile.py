@@ -336,6 +336,27 @@ def test_a_scheduled_lr_and_betas_compile_once(device, case):
     assert_same(run(False), compiled)
 
 
+def test_a_compiled_step_still_refuses_a_bad_scheduled_value(device):
+    """The lr and betas reach the compiled operator as tensors whose values it does not read on the host; the
+    step's own checks compare the traced numbers (guards), so a NaN lr or beta1 = 1 (bias correction 0: NaN
+    params) still raises before anything is written, in the compiled step as in eager."""
+    p = torch.randn(8, device=device).to(torch.float16).requires_grad_()
+    opt = mo.FusedAdamW([p], lr=1e-2)
+    step = torch.compile(opt.step, fullgraph=True, backend="aot_eager")
+    for i in range(3):
+        p.grad = torch.randn(8, device=device).to(torch.float16)
+        step()
+        opt.param_groups[0]["lr"] *= 0.5
+    before = p.detach().clone()
+    for key, bad in (("lr", float("nan")), ("lr", -1.0), ("betas", (1.0, 0.999))):
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = bad
+        with pytest.raises(Exception, match="Invalid"):
+            step()
+        opt.param_groups[0][key] = good
+        assert torch.equal(p.detach(), before)
+
+
 @pytest.mark.parametrize("case", ["adamw-fp16-masters", "lamb", "lion", "sgd-nesterov"])
 def test_step_has_no_graph_break(device, case):
     cls, dtype, kwargs = STEP_CASES[case]

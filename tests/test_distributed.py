@@ -259,17 +259,17 @@ def _stochastic_and_loading(rank, world):
     opt.load_state_dict(ref.state_dict())
     loaded = [{k: v.full_tensor() for k, v in opt.state[p].items() if k != "step"} for p in params]
     kinds = {type(v).__name__ for p in params for k, v in opt.state[p].items() if k != "step"}
-    # a drawn seed (seed=None) on ranks that seed torch each their own way (dropout, augmentation): rank 0's
-    # draw on every rank, so that replicas holding the same params and grads step alike
-    torch.manual_seed(1000 + rank)
-    replica = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in full_p]
-    drawn = FusedAdamW(replica, lr=1e-3, rounding="stochastic")
-    for _ in range(3):
-        for p, g in zip(replica, full_g):
-            p.grad = g.to(torch.bfloat16)
-        drawn.step()
-    return dict(stepped=stepped, loaded=loaded, kinds=kinds, drawn_seed=drawn.param_groups[0]["seed"],
-                replica=[p.detach().clone() for p in replica])
+    # a drawn seed (seed=None) is this rank's own draw: ranks that seed torch each their own way (dropout,
+    # augmentation) would round apart, so drawing one under torch.distributed warns (agreeing on one would need
+    # a collective in the constructor, which hangs a rank that builds its optimizer alone)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FusedAdamW([torch.nn.Parameter(full_p[0].to(torch.bfloat16))], lr=1e-3, rounding="stochastic")
+        FusedAdamW([torch.nn.Parameter(full_p[0].to(torch.bfloat16))], lr=1e-3, rounding="stochastic", seed=3)
+    warned = sum("pass the same seed= on every rank" in str(w.message) for w in caught)
+    return dict(stepped=stepped, loaded=loaded, kinds=kinds, warned=warned)
 
 
 def _edge_cases(rank, world):
@@ -601,9 +601,7 @@ def test_stochastic_rounding_and_state_loading_do_not_depend_on_sharding(runs):
         for a, b in zip(inv["stepped"], plain):
             assert torch.equal(a, b.detach()), rank  # bit for bit, whatever the sharding
         assert inv["kinds"] == {"DTensor"}, inv["kinds"]
-        first = results[0]["sharding-invariant"]
-        assert inv["drawn_seed"] == first["drawn_seed"], rank
-        assert all(torch.equal(a, b) for a, b in zip(inv["replica"], first["replica"])), rank
+        assert inv["warned"] == 1, rank  # the drawn seed, not the given one
         for loaded, p in zip(inv["loaded"], ref.param_groups[0]["params"]):
             assert set(loaded) == {"exp_avg", "exp_avg_sq", "master_param"}
             for k, v in loaded.items():

@@ -599,14 +599,26 @@ def test_counts_at_their_maxima_saturate_and_the_scale_still_grows(device):
 
 
 def test_load_state_dict_keeps_a_dynamic_scale_within_its_clamps(device):
+    """A scale outside the loaded clamps (a torch scaler's dict under ours, or update(new_scale) past them,
+    which torch's API allows) is loaded clamped, with a warning: loaded as it was, the next backoff raised it
+    to min_scale and a growth cut it to max_scale. The scaler's own dicts round-trip."""
     scaler = mpfused.GradScaler(device, init_scale=4.0)
     run_pattern(scaler, [0], device)
     before = scaler.state_dict()
-    for clamps in ({"min_scale": 8.0, "max_scale": 16.0}, {"max_scale": 2.0}):
-        with pytest.raises(ValueError, match=r"state_dict\['scale'\] \(4.0\) must lie in \[min_scale, max_scale\]"):
-            scaler.load_state_dict(dict(before, **clamps))
-        assert scaler.state_dict() == before
+    for clamps, want in (({"min_scale": 8.0, "max_scale": 16.0}, 8.0), ({"max_scale": 2.0}, 2.0)):
+        fresh = mpfused.GradScaler(device, init_scale=4.0)
+        with pytest.warns(UserWarning, match=r"state_dict\['scale'\] \(4.0\) lies outside \[min_scale, max_scale\]"):
+            fresh.load_state_dict(dict(before, **clamps))
+        assert fresh.get_scale() == want
+        run_pattern(fresh, [1], device)  # a backoff never raises the scale
+        assert fresh.get_scale() == max(want / 2, clamps.get("min_scale", 0.0))
+    capped = mpfused.GradScaler(device, init_scale=4.0, max_scale=16.0)
+    run_pattern(capped, [0], device)
+    capped.update(2.0**20)  # torch's API: not clamped
+    with pytest.warns(UserWarning, match="loaded as 16.0"):
+        mpfused.GradScaler(device, init_scale=4.0, max_scale=16.0).load_state_dict(capped.state_dict())
     scaler.load_state_dict(dict(before, dynamic=False, min_scale=8.0))  # a static scale is not clamped
+    assert scaler.get_scale() == 4.0
     # A scale the update clamped to a min_scale that float32 does not hold (0.7 is stored as 0.69999998...,
     # below 0.7) reloads: the clamps are compared as the update applies them.
     clamped = mpfused.GradScaler(device, init_scale=1.0, min_scale=0.7)

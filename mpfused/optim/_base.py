@@ -68,8 +68,12 @@ def check_number(name: str, value, lo: float = 0.0, hi: float = math.inf, hi_ope
     if kind is not float and kind is not int and not _is_real(value):  # (the exact builtins first: step() checks
         raise ValueError(f"Invalid {name}: {value!r} (expected a number, got {type(value).__name__}){where}")  # these)
     if torch.compiler.is_compiling():
-        # A float that changes between compiled steps (a scheduled lr) is symbolic there, and Python cannot
-        # compare it; the operator checks every number it is given, before it writes anything.
+        # A float that changes between compiled steps (a scheduled lr) is symbolic there: compared as it is
+        # (float() would make it a constant, one compile per value), the comparisons become the compiled
+        # step's guards, and a value out of range fails them and raises here. (The operator sees such a
+        # value as a float64 tensor, whose value it reads on the device, unchecked: _ops._traced_floats.)
+        if not (value >= lo and value <= hi and value < math.inf) or (hi_open and value == hi):
+            raise ValueError(f"Invalid {name}: {value}{where}")
         return
     try:
         v = float(value)
@@ -875,15 +879,14 @@ class FusedOptimizer(Optimizer):
                         p.grad = None
 
     def _default_seed(self) -> int:
-        """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer. Under
-        torch.distributed (a default process group of several ranks), rank 0's draw, broadcast to every rank
-        as the group is added: replicas (DDP, HSDP) and shards (FSDP2) must round with one seed, and scripts
-        seed torch per rank (dropout, augmentation), so each rank's own draw differed and the replicas
-        drifted apart from the first step. Every rank builds its optimizer, as DDP and FSDP need anyway."""
+        """The seed of the groups with rounding='stochastic' and seed None: drawn once per optimizer, from
+        this process's torch generator. Under torch.distributed that draw is each rank's own: a warning says
+        to give ``seed=`` (replicas and shards must round with one seed; a collective here would hang a rank
+        that builds its optimizer alone)."""
         seed = self.__dict__.get("_mpf_seed")
         if seed is None:
-            seed = _dist.agreed_seed(draw_seed())
-            self.__dict__["_mpf_seed"] = seed
+            seed = self.__dict__["_mpf_seed"] = draw_seed()
+            _dist.warn_drawn_seed()
         return seed
 
     def add_param_group(self, param_group: dict) -> None:

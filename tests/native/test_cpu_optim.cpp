@@ -29,7 +29,7 @@ int main() {
   a.tensors = &t;
   a.num_tensors = 1;
   a.lr = 0.0;
-  a.lr_ptr = &lr_dev;
+  a.lr_ref = HyperRef{&lr_dev, false};
   const double hyper[AdamPolicy::kNumHyper] = {0.9, 0.999, 1e-8, 0.01, 1, 0, 1};  // amsgrad, AdamW
   for (int i = 0; i < AdamPolicy::kNumHyper; ++i) a.hyper[i] = hyper[i];
   const AdamPolicy::Hyper h = AdamPolicy::make(hyper);
