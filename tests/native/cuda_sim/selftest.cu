@@ -92,6 +92,34 @@ __global__ void tma_box(const __grid_constant__ CUtensorMap map, uint16_t* out, 
   for (unsigned i = threadIdx.x; i < 512; i += blockDim.x) out[i] = tile[i];
 }
 
+// Warpgroup 0 multiplies a 64 x 16 A by a 16 x 256 B (zeros, K-major, 128-byte swizzle) with one wgmma; with
+// `racy`, thread 128 (warpgroup 1) writes B's first element meanwhile, with no barrier between: the MMA's
+// shared-memory reads are its issuing threads', so ThreadSanitizer must report the race.
+__global__ void wgmma_race(float* out, int racy) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024 - raw % 1024) % 1024;
+  const uint32_t a = raw + pad, b = a + 8 * mpf::sm90::kAtomBytes;  // A: 64 rows, B: 256 rows of 128 bytes
+  unsigned char* tiles = smem_raw + pad;
+  for (unsigned i = threadIdx.x; i < 40 * mpf::sm90::kAtomBytes; i += blockDim.x) tiles[i] = 0;
+  mpf::sm90::fence_proxy_async();
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    float d[128];
+    for (float& v : d) v = 1.0f;
+    mpf::sm90::wgmma_fence();
+    mpf::sm90::wgmma_m64n256k16<false, 0, 0>(d, mpf::sm90::smem_desc128(a, 16, mpf::sm90::kAtomBytes),
+                                             mpf::sm90::smem_desc128(b, 16, mpf::sm90::kAtomBytes));
+    mpf::sm90::wgmma_commit();
+    mpf::sm90::wgmma_wait<0>();
+    float sum = 0.0f;
+    for (float v : d) sum += v;
+    out[threadIdx.x] = sum;
+  } else if (racy && threadIdx.x == 128) {
+    tiles[8 * mpf::sm90::kAtomBytes] = 0x3c;  // B's first element
+  }
+}
+
 // Waits on the first phase of an mbarrier that nothing arrives on: a deadlock.
 __global__ void mbar_never(int* out) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -124,6 +152,12 @@ int run_tma_box(const uint16_t* data, int rows, int cols, int ld, uint16_t* out,
   if (encode_map(&map, data, rows, cols, ld, 64) != 0) return -1;
   cudaFuncSetAttribute(tma_box, cudaFuncAttributeMaxDynamicSharedMemorySize, 4096);
   tma_box<<<1, 128, 4096>>>(map, out, wait ? 1 : 0);
+  return static_cast<int>(cudaGetLastError());
+}
+int run_wgmma_race(float* out, bool racy) {
+  const int bytes = 41 * 1024;
+  cudaFuncSetAttribute(wgmma_race, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  wgmma_race<<<1, 256, bytes>>>(out, racy ? 1 : 0);
   return static_cast<int>(cudaGetLastError());
 }
 int run_mbar_never(int* out) {

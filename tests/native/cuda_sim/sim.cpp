@@ -576,9 +576,13 @@ void wgmma_m64nNk16(float* d, int n, uint64_t desc_a, uint64_t desc_b, int trans
   auto held = f.wg_acc.find(d);
   if (held != f.wg_acc.end()) {
     if (held->second.values.size() != regs) trap("wgmma: accumulator registers in flight reused with another shape");
-    for (size_t i = 0; i < regs; ++i)
-      if (std::memcmp(&d[i], &kWgmmaPoison, sizeof(float)) != 0)
-        trap("accumulator registers written while a wgmma.mma_async that writes them is in flight");
+    uint32_t poison;
+    std::memcpy(&poison, &kWgmmaPoison, 4);
+    for (size_t i = 0; i < regs; ++i) {
+      uint32_t bits;  // (a load, not memcmp: ThreadSanitizer's memcmp interceptor cost more than the MMA)
+      std::memcpy(&bits, &d[i], 4);
+      if (bits != poison) trap("accumulator registers written while a wgmma.mma_async that writes them is in flight");
+    }
     std::memcpy(d, held->second.values.data(), regs * sizeof(float));
   }
   const uint64_t hash = wgmma_operands(d, n, desc_a, desc_b, trans_a, trans_b, bf16, tctx->linear % 128);

@@ -420,6 +420,10 @@ inline void check_fragment_pointer(const void* p, unsigned ldm, unsigned elem_by
   if ((ldm * elem_bytes) % 16 != 0) mpf_sim::trap(std::string(what) + ": ldm not a multiple of 16 bytes");
 }
 
+// What touches only the calling thread's fragments (its registers on the device) is not watched by ThreadSanitizer:
+// nothing else can access them, and watching them took most of the tensor-core kernels' time there.
+#define MPF_SIM_REGISTERS_ONLY __attribute__((no_sanitize("thread")))
+
 inline int widen(unsigned char u) { return u; }
 inline float widen(__half h) { return __half2float(h); }
 inline float widen(__nv_bfloat16 h) { return __bfloat162float(h); }
@@ -433,15 +437,15 @@ void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsig
       f.v[r * 16 + c] = widen(std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r]);
 }
 
-inline void fill_fragment(fragment<accumulator, 16, 16, 16, float, void>& f, float value) {
+MPF_SIM_REGISTERS_ONLY inline void fill_fragment(fragment<accumulator, 16, 16, 16, float, void>& f, float value) {
   for (float& x : f.v) x = value;
 }
-inline void fill_fragment(fragment<accumulator, 16, 16, 16, int, void>& f, int value) {
+MPF_SIM_REGISTERS_ONLY inline void fill_fragment(fragment<accumulator, 16, 16, 16, int, void>& f, int value) {
   for (int& x : f.v) x = value;
 }
 
 template <class T, class LA, class LB>
-void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+MPF_SIM_REGISTERS_ONLY void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
               const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float, void>& c) {
   for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
     const int r = static_cast<int>(e / 16), col = static_cast<int>(e % 16);
@@ -454,7 +458,7 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float, void>& d, const fragment<
 // Unsigned 8-bit operands, int32 sums: a sum past int32 traps (the hardware would wrap it silently; mpfused's
 // kernels move their sums to 64 bits before that can happen, and this checks it).
 template <class LA, class LB>
-void mma_sync(fragment<accumulator, 16, 16, 16, int, void>& d, const fragment<matrix_a, 16, 16, 16, unsigned char, LA>& a,
+MPF_SIM_REGISTERS_ONLY void mma_sync(fragment<accumulator, 16, 16, 16, int, void>& d, const fragment<matrix_a, 16, 16, 16, unsigned char, LA>& a,
               const fragment<matrix_b, 16, 16, 16, unsigned char, LB>& b, const fragment<accumulator, 16, 16, 16, int, void>& c) {
   for (unsigned e = mpf_sim::lane_id(); e < 256; e += 32) {
     const int r = static_cast<int>(e / 16), col = static_cast<int>(e % 16);

@@ -1222,6 +1222,7 @@ int run_narrow(const float* in, uint16_t* bf16, uint16_t* f16, int n);
 int run_tma_encode(const uint16_t* data, int rows, int cols, int ld, int box0);
 int run_tma_box(const uint16_t* data, int rows, int cols, int ld, uint16_t* out, bool wait);
 int run_mbar_never(int* out);
+int run_wgmma_race(float* out, bool racy);
 }  // namespace mpf_sim_selftest
 
 namespace {
@@ -1280,6 +1281,11 @@ void test_self(std::mt19937&) {
 #endif
   CHECK(st::run_mbar_never(ints.data()) == mpf_sim::kErrorLaunchFailure,
         "threads waiting on an mbarrier phase that cannot complete: a deadlock, reported as a failed launch");
+  std::vector<float> acc(128, -1.f);
+  CHECK(st::run_wgmma_race(acc.data(), false) == 0, "a wgmma of zero operands runs");
+  right = true;
+  for (float v : acc) right = right && v == 128.0f;
+  CHECK(right, "its 128 accumulators a thread, 1 each, stay 1: %g", static_cast<double>(acc[0]));
 }
 
 // core/numeric.h's narrowings on the device (the hardware conversions on sm_80+: cvt.rn.bf16.f32 and
@@ -1318,11 +1324,16 @@ void test_numeric(std::mt19937& rng) {
 }
 
 // Defects that only a sanitizer reports, each run by a test of its own that expects the report (CMakeLists.txt):
-// "race" under ThreadSanitizer (a read of another thread's shared write with no barrier between),
+// "race" under ThreadSanitizer (a read of another thread's shared write with no barrier between), "wgmma_race"
+// (the same between a wgmma's operand reads and a write of its operand),
 // "smem_oob" under AddressSanitizer (a read past a shared array).
 void test_race(std::mt19937&) {
   std::vector<float> out(64, 0.f);
   mpf_sim_selftest::run_missing_barrier(out.data(), false);
+}
+void test_wgmma_race(std::mt19937&) {
+  std::vector<float> out(128, 0.f);
+  mpf_sim_selftest::run_wgmma_race(out.data(), true);
 }
 void test_smem_oob(std::mt19937&) {
   std::vector<int> out(1, 0);
@@ -1360,6 +1371,7 @@ int main(int argc, char** argv) {
   if (!sm75) part("gemm_wgmma_cluster", test_gemm_wgmma_cluster);
   if (only == "old_driver") part("old_driver", test_old_driver);
   if (only == "race") part("race", test_race);
+  if (only == "wgmma_race") part("wgmma_race", test_wgmma_race);
   if (only == "smem_oob") part("smem_oob", test_smem_oob);
   return native_test::finish("test_cuda_sim");
 }
