@@ -415,6 +415,45 @@ pybind11::object state_overlap(const pybind11::list& params, const pybind11::lis
   return pybind11::none();
 }
 
+// The first two of `grads` (tensors; None is skipped) that share memory, as (i, j) with i < j, else None: a
+// scaled or clipped step writes each grad back in place, so a grad shared by params in two kernel calls (two
+// param groups, or devices) would be unscaled twice. (Within one call the operator refuses it itself.) Spans
+// by device and start, each compared with the one before it that ends furthest.
+pybind11::object shared_grads(const pybind11::list& grads) {
+  struct Span {
+    int64_t device;
+    uintptr_t lo, hi;
+    Py_ssize_t i;
+  };
+  std::vector<Span> spans;
+  const Py_ssize_t n = PyList_GET_SIZE(grads.ptr());
+  spans.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const go = PyList_GET_ITEM(grads.ptr(), i);
+    if (go == Py_None) continue;
+    if (!THPVariable_Check(go)) fail("grads must hold tensors or None");
+    const at::Tensor& g = THPVariable_Unpack(go);
+    if (g.numel() == 0 || !g.has_storage() || g.is_meta()) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(g.data_ptr());
+    if (lo == 0) continue;
+    // (the furthest element from the first: a strided grad's span holds all of its elements)
+    int64_t last = 0;
+    for (int64_t d = 0; d < g.dim(); ++d) last += (g.size(d) - 1) * g.stride(d);
+    const int64_t device = static_cast<int64_t>(g.device().type()) << 16 | (g.device().index() + 1);
+    spans.push_back({device, lo, lo + static_cast<uintptr_t>((last + 1) * g.element_size()), i});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.device != b.device ? a.device < b.device : a.lo < b.lo;
+  });
+  const Span* reach = nullptr;
+  for (const Span& s : spans) {
+    if (reach && reach->device == s.device && s.lo < reach->hi)
+      return pybind11::make_tuple(std::min(reach->i, s.i), std::max(reach->i, s.i));
+    if (!reach || reach->device != s.device || s.hi > reach->hi) reach = &s;
+  }
+  return pybind11::none();
+}
+
 // The Python arguments of a direct operator call (below) as the schema's tensors: each a plain tensor (see
 // plain_tensor) or None where optional; anything else clears `ok`, and the caller then returns false having
 // called nothing (Python goes through torch.ops, which hands a subclass its __torch_function__, or raises
@@ -584,6 +623,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("state_overlap", &state_overlap, pybind11::arg("params"), pybind11::arg("states"), pybind11::arg("group_of"),
         pybind11::arg("checks_list"),
         "The first two tensors a step writes in place (params, state entries) that share memory, else None.");
+  m.def("shared_grads", &shared_grads, pybind11::arg("grads"),
+        "The first two grads (indices, i < j) that share memory, else None.");
   m.def("state_entries_check", &state_entries_check, pybind11::arg("params"), pybind11::arg("states"),
         pybind11::arg("checks"), pybind11::arg("masters"),
         "The index of the first param whose state holds an entry the optimizer's operator would refuse, else -1.");

@@ -571,9 +571,40 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
     p1, p2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     shared = torch.full((4,), 8.0)
     p1.grad = p2.grad = shared
-    with pytest.raises(ValueError, match=r"grads\[0\] and grads\[1\] share memory.* unscaled twice"):
+    with pytest.raises(ValueError, match=r"grads of param 0 of param group 0 and param 1 of param group 0 share memory"
+                                         r".* unscaled twice"):
         FusedSGD([p1, p2], lr=1.0).step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
     assert p1.tolist() == p2.tolist() == [1.0] * 4 and shared.tolist() == [8.0] * 4
+    # (the operator's own check, for its call's tensors)
+    with pytest.raises(ValueError, match=r"grads\[0\] and grads\[1\] share memory.* unscaled twice"):
+        torch.ops.mpfused.optim_step_("sgd", [p1.detach(), p2.detach()], [shared, shared], [], [], [], [], [], [], [], [],
+                                      1.0, None, [0.0] * 5, [], torch.tensor([0.5]), None, None, math.inf, None, None,
+                                      True, "nearest", 0, [])
+    assert shared.tolist() == [8.0] * 4
+
+    # In two param groups (two operator calls), on the full path and on the planned one (grads of their own for
+    # three steps, then one shared): refused before either group is written.
+    for planned in (False, True):
+        p1, p2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        opt = FusedAdamW([{"params": [p1]}, {"params": [torch.nn.Parameter(torch.ones(2)), p2]}], lr=0.1)
+        for _ in range(3 if planned else 0):
+            for q in (p1, p2):
+                q.grad = torch.full((4,), 8.0)
+            opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+        if planned:
+            assert opt.__dict__.get("_mpf_plan") is not None
+        before = [p1.detach().clone(), p2.detach().clone(), {k: v.clone() for k, v in opt.state[p1].items()}]
+        shared = torch.full((4,), 8.0)
+        p1.grad = p2.grad = shared
+        with pytest.raises(ValueError, match=r"grads of param 0 of param group 0 and param 1 of param group 1 share memory"):
+            opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+        assert torch.equal(p1, before[0]) and torch.equal(p2, before[1]) and shared.tolist() == [8.0] * 4
+        assert all(torch.equal(opt.state[p1][k], v) for k, v in before[2].items())
+        # a clipped step writes the grads too; an unscaled, unclipped one only reads them (allowed, as in torch)
+        with pytest.raises(ValueError, match="share memory"):
+            opt.step(scaling=StepScaling(clip=(torch.tensor([1.0]), 1.0)))
+        opt.step()
+        assert not torch.equal(p1, before[0]) and torch.equal(p1, p2)
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = FusedAdam([p], lr=0.1)

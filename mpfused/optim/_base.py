@@ -1381,6 +1381,8 @@ class FusedOptimizer(Optimizer):
                     gi = next(k for k, g in enumerate(self.param_groups) if g is group)
                     raise why[1](f"param {i} of param group {gi}: its grad {why[0]}, which this step would write "
                                  f"back unscaled; {why[2]}, or step without a scaler")
+            self._check_grads_apart([(params, [_dist.local(p.grad) if dtensors else p.grad for p in params])
+                                     for _, params, dtensors in work])
         plannable = not torch.compiler.is_compiling()
         for group, params, dtensors in work:
             buckets: dict[torch.device, list] = defaultdict(list)
@@ -1485,6 +1487,8 @@ class FusedOptimizer(Optimizer):
         no_scalars = scaling is _NO_SCALING and clip is None
         device_scalars = None if no_scalars else self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        if write_grad and sum(1 for call in calls if call[2]) > 1:  # (within one call, the operator checks)
+            self._check_grads_apart([(kps, lgs) for _, _, kps, _, lgs, _, _ in calls])
         try:
             for params, targets, stochastic in plan.follows:  # (after every check: the first write of the step)
                 if params:
@@ -1507,6 +1511,27 @@ class FusedOptimizer(Optimizer):
             if gp.versions is not None and kps:
                 gp.versions = _step_versions(kps, gp.layout_entries, local_ps)
         return True
+
+    def _check_grads_apart(self, per_group: list) -> None:
+        """No two grads that a scaled or clipped step writes back share memory (over every group: the operator
+        checks only its own call's): a grad shared by two params would be unscaled twice, the second param
+        updated with a grad off by the scale. ``per_group``: per param group, in order, (its params with a
+        grad, the grads the kernels write: DTensors' local shards). A ValueError naming both params, before
+        anything is written."""
+        found = _ops._C.shared_grads([g for _, grads in per_group for g in grads])
+        if found is None:
+            return
+        names = []
+        for k in found:
+            for gi, (params, grads) in enumerate(per_group):
+                if k < len(grads):
+                    i = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is params[k])
+                    names.append(f"param {i} of param group {gi}")
+                    break
+                k -= len(grads)
+        raise ValueError(f"the grads of {names[0]} and {names[1]} share memory, and this step unscales or clips each "
+                         "grad in place (a grad shared by two params would be unscaled twice); give each param a grad "
+                         "of its own (e.g. .clone()), or step without a scaler or clip")
 
     @staticmethod
     def _device_lr(group: dict, device: torch.device):
