@@ -344,8 +344,8 @@ def hyper_args(policy: str, hyper: dict) -> tuple:
 
 
 def _traced_floats(policy: str, lr, hyper: dict, device: torch.device) -> tuple:
-    """Under torch.compile: the lr, and the hyperparameters the update may read from a tensor (Adam's betas,
-    SGD's weight_decay), as float64 tensors made in the graph from the Python numbers (exact: 1.0 * x). The
+    """Under torch.compile: the lr, and the hyperparameters the update may read from a tensor (the betas of
+    Adam, Lion and LAMB, SGD's weight_decay), as float64 tensors made in the graph from the Python numbers (exact: 1.0 * x). The
     operator's ``float`` arguments make dynamo compile once per value, so a scheduled lr (or OneCycleLR's
     cycled betas) recompiled every step until torch's recompile limit; a tensor made from the traced number
     keeps it symbolic. The update reads float64 as the number itself: the bits are eager's."""

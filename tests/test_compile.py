@@ -305,12 +305,13 @@ def test_compiled_step_matches_eager(device, case):
     assert_same(step_run(case, device, compiled=False), step_run(case, device, compiled=True))
 
 
-@pytest.mark.parametrize("case", ["adamw-fp16-masters", "adamw-fp16-stochastic", "sgd-fp32", "lion"])
+@pytest.mark.parametrize("case", ["adamw-fp16-masters", "adamw-fp16-stochastic", "sgd-fp32", "lion", "lamb"])
 def test_a_scheduled_lr_and_betas_compile_once(device, case):
-    """A float lr that changes at every step (any LR scheduler), and Adam's betas cycled as floats
-    (OneCycleLR's cycle_momentum), SGD's weight_decay: 12 compiled steps (fullgraph=True) take at most two
-    graphs and equal eager bit for bit. The operator's float arguments made dynamo compile once per value:
-    the ninth step raised at torch's recompile limit."""
+    """A float lr that changes at every step (any LR scheduler), and the betas of Adam, Lion and LAMB cycled
+    as floats (OneCycleLR's cycle_momentum), SGD's weight_decay: 12 compiled steps (fullgraph=True) take at
+    most two graphs and equal eager bit for bit. The operator's float arguments made dynamo compile once per
+    value: the ninth step raised at torch's recompile limit. (SGD's momentum stays a number: whether it is 0
+    decides the step's state, as in torch's SGD, whose compiled step recompiles for a cycled momentum too.)"""
     def run(compiled):
         cls, dtype, kwargs = STEP_CASES[case]
         torch.manual_seed(0)
@@ -323,8 +324,8 @@ def test_a_scheduled_lr_and_betas_compile_once(device, case):
             params[0].grad = torch.randn(params[0].shape, generator=g).to(device=device, dtype=dtype)
             step()
             group["lr"] *= 0.9
-            if cls in (mo.FusedAdam, mo.FusedAdamW):  # (Lion's betas are numbers to the kernel: constants)
-                group["betas"] = (0.85 + 0.01 * i, group["betas"][1])
+            if cls in (mo.FusedAdam, mo.FusedAdamW, mo.FusedLion, mo.FusedLAMB):
+                group["betas"] = (0.85 + 0.01 * i, 0.98 - 1e-3 * (i % 3))
             if cls is mo.FusedSGD:
                 group["weight_decay"] = 1e-3 * (i + 2)
         return snapshot(opt, params)

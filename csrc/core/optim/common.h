@@ -51,7 +51,7 @@ struct HyperSpec {
 constexpr double kInf = HUGE_VAL;
 constexpr HyperSpec flag_spec(const char* name) { return HyperSpec{name, 0.0, 1.0, false, false, false, true}; }
 
-// A hyperparameter that may be a one-element tensor (Adam's betas, SGD's weight_decay). When the tensor
+// A hyperparameter that may be a one-element tensor (the betas of Adam, Lion and LAMB, SGD's weight_decay). When the tensor
 // lives on the device of the update, the update reads it there, so a step with tensor hyperparameters
 // needs no host sync. float32 and float64 tensors are read as they are: the value is the double torch's
 // .item() would give.

@@ -21,7 +21,7 @@ struct LambPolicy : PolicyBase {
   static constexpr const char* kStates[kNumStates] = {"exp_avg", "exp_avg_sq"};
   static constexpr int kNumHyper = 9;
   static constexpr HyperSpec kHyper[kNumHyper] = {
-      {"beta1", 0.0, 1.0, false, true}, {"beta2", 0.0, 1.0, false, true}, {"eps", 0.0, kInf, false, false},
+      {"beta1", 0.0, 1.0, false, true, true}, {"beta2", 0.0, 1.0, false, true, true}, {"eps", 0.0, kInf, false, false},
       {"weight_decay", 0.0, kInf, false, false}, flag_spec("bias_correction"), flag_spec("grad_averaging"),
       flag_spec("decoupled"), {"max_grad_norm", 0.0, kInf, false, false}, flag_spec("use_nvlamb")};
 

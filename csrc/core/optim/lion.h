@@ -14,8 +14,8 @@ struct LionPolicy : PolicyBase {
   static constexpr int kNumStates = 1;
   static constexpr const char* kStates[kNumStates] = {"exp_avg"};
   static constexpr int kNumHyper = 4;
-  static constexpr HyperSpec kHyper[kNumHyper] = {{"beta1", 0.0, 1.0, false, false},
-                                                  {"beta2", 0.0, 1.0, false, false},
+  static constexpr HyperSpec kHyper[kNumHyper] = {{"beta1", 0.0, 1.0, false, false, true},
+                                                  {"beta2", 0.0, 1.0, false, false, true},
                                                   {"weight_decay", 0.0, kInf, false, false},
                                                   flag_spec("maximize")};
 
