@@ -386,7 +386,7 @@ OptimTensor ref(Tensors& t, uint64_t sr_offset) {
 }
 
 struct OptimSetup {
-  bool stochastic, inv_scale, grad_scale, clip, skip, write_grad, counter, lr_ptr, lr_double, hyper_ref, aligned;
+  bool stochastic, inv_scale, grad_scale, clip, skip, write_grad, counter, lr_tensor, lr_double, hyper_ref, aligned;
   int weights;  // 0: masters, 1: the params themselves, 2: BF16 remainders where the param is BF16
 };
 
@@ -471,7 +471,7 @@ void optim_case(const char* name, const std::vector<double>& hyper, const std::v
     a.tensors = refs.data();
     a.num_tensors = static_cast<int64_t>(refs.size());
     a.lr = 1e-2;
-    a.lr_ref = !s.lr_ptr ? HyperRef{nullptr, false} : s.lr_double ? HyperRef{&lr_dev64, true} : HyperRef{&lr_dev, false};
+    a.lr_ref = !s.lr_tensor ? HyperRef{nullptr, false} : s.lr_double ? HyperRef{&lr_dev64, true} : HyperRef{&lr_dev, false};
     for (size_t i = 0; i < hyper.size(); ++i) a.hyper[i] = hyper[i];
     if (s.hyper_ref) a.hyper_ref[0] = HyperRef{&hyper_dev, true};
     a.inv_scale = s.inv_scale ? &inv : nullptr;
@@ -557,7 +557,7 @@ void optim_policy(const char* name, const std::vector<std::vector<double>>& hype
         s.skip = v == 5;
         s.write_grad = v % 5 == 1;
         s.counter = v % 4 < 2;
-        s.lr_ptr = v % 2 == 0;
+        s.lr_tensor = v % 2 == 0;
         s.lr_double = v % 4 == 2;
         s.hyper_ref = v == 4;
         s.weights = v % 3;
