@@ -10,6 +10,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -166,7 +167,7 @@ bool plain_tensor(PyObject* o) {
 // (grad_pairs), and every state entry given goes with its param as optim_step_ checks it: `beside` holds
 // lists (one entry per param, or None) of float32 tensors in the param's layout (moments, masters),
 // `remainders` int16 ones, `steps` one-element float32 counters on the param's device. Else the params'
-// dtypes, devices, memory addresses, shapes and strides as bytes, which the plan compares with those of the step it was
+// dtypes, devices, memory addresses, shapes and strides, and their entries' memory addresses, as bytes, which the plan compares with those of the step it was
 // made in (their version counters: step_versions). One pass in C++ (tens of ns a tensor), before any kernel
 // call writes.
 pybind11::object step_layout(const pybind11::list& params, const pybind11::list& grads, const pybind11::list& beside,
@@ -214,6 +215,15 @@ pybind11::object step_layout(const pybind11::list& params, const pybind11::list&
       out.push_back(p.size(d));
       out.push_back(p.stride(d));
     }
+    // and the entries' memory: one pointed at another's by `.data = ...` (the same object, so the plan's identity
+    // checks pass) takes the full path, whose check over every group refuses it (state_overlap)
+    const auto memory = [&out, i](PyObject* list) {
+      PyObject* const o = PyList_GET_ITEM(list, i);
+      out.push_back(o == Py_None ? 0 : static_cast<int64_t>(reinterpret_cast<uintptr_t>(THPVariable_Unpack(o).data_ptr())));
+    };
+    for (const pybind11::handle list : beside) memory(list.ptr());
+    memory(remainders.ptr());
+    memory(steps.ptr());
   }
   return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
@@ -332,20 +342,110 @@ int64_t state_entries_check(const pybind11::list& params, const pybind11::list& 
   return -1;
 }
 
+// The memory a tensor's elements occupy, as byte spans [lo, hi) on a device (key: type << 16 | index + 1): one
+// span for a dense tensor (no gaps, no element twice); else one per run of elements adjacent in memory (along
+// the dimension of stride 1, if any, else one element a run), so that two tensors that interleave (buf[:, :2]
+// and buf[:, 2:]) share none. Past kMaxRuns runs, the tensor's whole extent (conservative). Nothing for a
+// tensor without elements or memory.
+struct MemSpan {
+  int64_t device;
+  uintptr_t lo, hi;
+  int64_t owner;
+  PyObject* key;  // borrowed; what the owner's span is (state_overlap: None for the param, Ellipsis for its grad)
+};
+constexpr int64_t kMaxRuns = int64_t{1} << 20;
+
+void add_spans(std::vector<MemSpan>& out, const at::Tensor& t, int64_t owner, PyObject* key) {
+  if (t.numel() == 0 || !t.has_storage() || t.is_meta() || t.layout() != at::kStrided) return;
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (base == 0) return;  // (no memory: nothing to share)
+  const int64_t device = static_cast<int64_t>(t.device().type()) << 16 | (t.device().index() + 1);
+  const auto es = static_cast<uintptr_t>(t.element_size());
+  if (t.is_non_overlapping_and_dense()) {
+    out.push_back({device, base, base + static_cast<uintptr_t>(t.numel()) * es, owner, key});
+    return;
+  }
+  std::vector<int64_t> sizes, strides;  // the dimensions of more than one element
+  int64_t run = 1, last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    last += (t.size(d) - 1) * t.stride(d);
+    if (t.stride(d) == 1 && run == 1) {
+      run = t.size(d);  // the run's dimension
+    } else {
+      sizes.push_back(t.size(d));
+      strides.push_back(t.stride(d));
+    }
+  }
+  if (t.numel() / run > kMaxRuns) {
+    out.push_back({device, base, base + static_cast<uintptr_t>(last + 1) * es, owner, key});
+    return;
+  }
+  std::vector<int64_t> index(sizes.size(), 0);
+  int64_t offset = 0;
+  for (;;) {
+    const uintptr_t lo = base + static_cast<uintptr_t>(offset) * es;
+    out.push_back({device, lo, lo + static_cast<uintptr_t>(run) * es, owner, key});
+    size_t d = sizes.size();
+    for (; d > 0; --d) {  // the next run: an odometer over the other dimensions
+      if (++index[d - 1] < sizes[d - 1]) {
+        offset += strides[d - 1];
+        break;
+      }
+      offset -= (sizes[d - 1] - 1) * strides[d - 1];
+      index[d - 1] = 0;
+    }
+    if (d == 0) return;
+  }
+}
+
+void sort_spans(std::vector<MemSpan>& spans) {
+  std::sort(spans.begin(), spans.end(), [](const MemSpan& a, const MemSpan& b) {
+    return a.device != b.device ? a.device < b.device : a.lo < b.lo;
+  });
+}
+
+// The first two spans of different (owner, key) that overlap, sorted spans (sort_spans) in, else nullptrs. A sweep
+// that keeps the span reaching furthest and the one reaching furthest among the other (owner, key)s: a span that
+// overlaps any before it overlaps one of those two, and one tensor's own runs are never reported.
+std::pair<const MemSpan*, const MemSpan*> first_overlap(const std::vector<MemSpan>& spans) {
+  const MemSpan* reach = nullptr;  // the span before, on this device, that ends furthest
+  const MemSpan* other = nullptr;  // the same among the spans of another (owner, key) than reach's
+  const auto same = [](const MemSpan* a, const MemSpan* b) { return a->owner == b->owner && a->key == b->key; };
+  for (const MemSpan& s : spans) {
+    if (reach && reach->device != s.device) reach = other = nullptr;
+    if (reach) {
+      const MemSpan* before = same(reach, &s) ? other : reach;
+      if (before && s.lo < before->hi) return {before, &s};
+    }
+    if (!reach || s.hi > reach->hi) {
+      if (reach && !same(reach, &s)) other = reach;
+      reach = &s;
+    } else if (!same(reach, &s) && (!other || s.hi > other->hi)) {
+      other = &s;
+    }
+  }
+  return {nullptr, nullptr};
+}
+
 // FusedOptimizer.step()'s full path, after state_entries_check: the first two tensors that a step writes in
-// place and that share memory, as (i, key_i, j, key_j): positions in `params` and the state entries' keys
-// (None: the param itself); else None. Written in place are the params and the state entries the step takes
-// as they are: `checks_list[group_of[i]]` holds (checks, masters, remainder) for param i's group, with
-// state_entries_check's checks; kind 2 (a state the step leaves alone) is not taken, nor a master or a
-// remainder the group does not keep. An entry set by hand over another's memory (state['exp_avg'] =
+// place and that share memory, as (i, key_i, j, key_j): positions in `params` and what each is (None: the param
+// itself; Ellipsis: its grad; else a state entry's key); else None. Written in place are the params and the
+// state entries the step takes as they are: `checks_list[group_of[i]]` holds (checks, masters, remainder) for
+// param i's group, with state_entries_check's checks; kind 2 (a state the step leaves alone) is not taken, nor a
+// master or a remainder the group does not keep; and with `grads` (one per param, a scaled or clipped step,
+// which writes each grad back), the grads. An entry set by hand over another's memory (state['exp_avg'] =
 // state['exp_avg_sq'], or a param's own tensor) was updated twice from the same old values, one write lost, in
-// silence. Spans are the bytes from a tensor's first element over numel elements: exact for the dense
-// tensors it takes (a strided entry is moved to its param's layout by the step, so it shares nothing).
+// silence; a grad shared by two params, or over another param or state, was unscaled twice or wrote its unscaled
+// values there. Over every group at once: the operator checks only its own call's tensors. (A strided state
+// entry is moved to its param's layout by the step, so it shares nothing; its spans are exact anyway.)
 pybind11::object state_overlap(const pybind11::list& params, const pybind11::list& states,
-                               const std::vector<int64_t>& group_of, const pybind11::list& checks_list) {
+                               const std::vector<int64_t>& group_of, const pybind11::list& checks_list,
+                               const std::optional<pybind11::list>& grads) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
-  if (PyList_GET_SIZE(states.ptr()) != n || static_cast<Py_ssize_t>(group_of.size()) != n)
-    fail("states and group_of must have one entry per param");
+  if (PyList_GET_SIZE(states.ptr()) != n || static_cast<Py_ssize_t>(group_of.size()) != n ||
+      (grads && PyList_GET_SIZE(grads->ptr()) != n))
+    fail("states, group_of and grads must have one entry per param");
   struct Checks {
     std::vector<PyObject*> keys;
     std::vector<long> kinds;
@@ -366,27 +466,18 @@ pybind11::object state_overlap(const pybind11::list& params, const pybind11::lis
     c.remainder = t[2].cast<bool>();
     groups.push_back(std::move(c));
   }
-  struct Span {
-    int64_t device;
-    uintptr_t lo, hi;
-    Py_ssize_t i;
-    PyObject* key;  // borrowed; nullptr: the param
-  };
-  std::vector<Span> spans;
-  const auto add = [&spans](const at::Tensor& t, Py_ssize_t i, PyObject* key) {
-    if (t.numel() == 0 || !t.has_storage() || t.is_meta() || !t.is_non_overlapping_and_dense()) return;
-    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    if (lo == 0) return;  // (no memory: nothing to share)
-    const int64_t device = static_cast<int64_t>(t.device().type()) << 16 | (t.device().index() + 1);
-    spans.push_back({device, lo, lo + static_cast<uintptr_t>(t.numel() * t.element_size()), i, key});
-  };
+  std::vector<MemSpan> spans;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* const po = PyList_GET_ITEM(params.ptr(), i);
     PyObject* const state = PyList_GET_ITEM(states.ptr(), i);
     const int64_t gi = group_of[static_cast<size_t>(i)];
     if (!THPVariable_Check(po) || gi < 0 || gi >= static_cast<int64_t>(groups.size())) fail("bad params or group_of");
     const at::Tensor& p = THPVariable_Unpack(po);
-    add(p, i, nullptr);
+    add_spans(spans, p, i, Py_None);
+    if (grads) {
+      PyObject* const go = PyList_GET_ITEM(grads->ptr(), i);
+      if (THPVariable_Check(go)) add_spans(spans, THPVariable_Unpack(go), i, Py_Ellipsis);
+    }
     if (!PyDict_Check(state)) continue;
     const Checks& c = groups[static_cast<size_t>(gi)];
     for (size_t j = 0; j < c.keys.size(); ++j) {
@@ -398,61 +489,74 @@ pybind11::object state_overlap(const pybind11::list& params, const pybind11::lis
         if (PyErr_Occurred()) throw pybind11::error_already_set();
         continue;
       }
-      if (THPVariable_Check(entry)) add(THPVariable_Unpack(entry), i, c.keys[j]);
+      if (THPVariable_Check(entry)) add_spans(spans, THPVariable_Unpack(entry), i, c.keys[j]);
     }
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-    return a.device != b.device ? a.device < b.device : a.lo < b.lo;
-  });
-  const Span* reach = nullptr;  // of the spans before, on this device, the one that ends furthest
-  for (const Span& s : spans) {
-    if (reach && reach->device == s.device && s.lo < reach->hi) {
-      const auto key = [](PyObject* k) { return pybind11::reinterpret_borrow<pybind11::object>(k ? k : Py_None); };
-      return pybind11::make_tuple(reach->i, key(reach->key), s.i, key(s.key));
+  sort_spans(spans);
+  const auto [a, b] = first_overlap(spans);
+  if (!a) return pybind11::none();
+  const auto key = [](PyObject* k) { return pybind11::reinterpret_borrow<pybind11::object>(k); };
+  return pybind11::make_tuple(a->owner, key(a->key), b->owner, key(b->key));
+}
+
+// The planned step's side of the same check (FusedOptimizer.step): memory_spans packs, when a plan is made, the
+// spans of the tensors every group's step writes in place (params and state entries, which the full path found
+// apart and whose memory the plan's layouts hold), sorted; shared_grads then finds, at each scaled or clipped
+// step, the first grad over another grad, as (i, j, 0) (i < j), or over one of those tensors, as (i, owner, 1),
+// else None.
+pybind11::bytes memory_spans(const pybind11::list& tensors, const std::vector<int64_t>& owners) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  if (static_cast<Py_ssize_t>(owners.size()) != n) fail("owners must have one entry per tensor");
+  std::vector<MemSpan> spans;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (THPVariable_Check(o)) add_spans(spans, THPVariable_Unpack(o), owners[static_cast<size_t>(i)], nullptr);
+  }
+  sort_spans(spans);
+  std::vector<int64_t> out;
+  out.reserve(spans.size() * 4);
+  for (const MemSpan& m : spans) {
+    out.push_back(m.device);
+    out.push_back(static_cast<int64_t>(m.lo));
+    out.push_back(static_cast<int64_t>(m.hi));
+    out.push_back(m.owner);
+  }
+  return pybind11::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+}
+
+pybind11::object shared_grads(const pybind11::list& grads, const pybind11::bytes& written) {
+  std::vector<MemSpan> spans;
+  const Py_ssize_t n = PyList_GET_SIZE(grads.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* const go = PyList_GET_ITEM(grads.ptr(), i);
+    if (THPVariable_Check(go)) add_spans(spans, THPVariable_Unpack(go), i, nullptr);
+  }
+  sort_spans(spans);
+  if (const auto [a, b] = first_overlap(spans); a)
+    return pybind11::make_tuple(std::min(a->owner, b->owner), std::max(a->owner, b->owner), 0);
+  // Each grad span against the written spans (apart from each other, sorted): only the last that starts before
+  // the grad's end can reach into it.
+  const std::string_view w = written;
+  const auto* const packed = reinterpret_cast<const int64_t*>(w.data());
+  const size_t m = w.size() / (4 * sizeof(int64_t));
+  const auto before = [](const int64_t* e, int64_t device, uintptr_t hi) {  // e starts before (device, hi)
+    return e[0] != device ? e[0] < device : static_cast<uintptr_t>(e[1]) < hi;
+  };
+  for (const MemSpan& g : spans) {
+    size_t lo = 0, hi = m;  // the first written span not before (device, g.hi)
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (before(packed + 4 * mid, g.device, g.hi)) lo = mid + 1;
+      else hi = mid;
     }
-    if (!reach || reach->device != s.device || s.hi > reach->hi) reach = &s;
+    if (lo > 0) {
+      const int64_t* e = packed + 4 * (lo - 1);
+      if (e[0] == g.device && static_cast<uintptr_t>(e[2]) > g.lo) return pybind11::make_tuple(g.owner, e[3], 1);
+    }
   }
   return pybind11::none();
 }
 
-// The first two of `grads` (tensors; None is skipped) that share memory, as (i, j) with i < j, else None: a
-// scaled or clipped step writes each grad back in place, so a grad shared by params in two kernel calls (two
-// param groups, or devices) would be unscaled twice. (Within one call the operator refuses it itself.) Spans
-// by device and start, each compared with the one before it that ends furthest.
-pybind11::object shared_grads(const pybind11::list& grads) {
-  struct Span {
-    int64_t device;
-    uintptr_t lo, hi;
-    Py_ssize_t i;
-  };
-  std::vector<Span> spans;
-  const Py_ssize_t n = PyList_GET_SIZE(grads.ptr());
-  spans.reserve(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* const go = PyList_GET_ITEM(grads.ptr(), i);
-    if (go == Py_None) continue;
-    if (!THPVariable_Check(go)) fail("grads must hold tensors or None");
-    const at::Tensor& g = THPVariable_Unpack(go);
-    if (g.numel() == 0 || !g.has_storage() || g.is_meta()) continue;
-    const auto lo = reinterpret_cast<uintptr_t>(g.data_ptr());
-    if (lo == 0) continue;
-    // (the furthest element from the first: a strided grad's span holds all of its elements)
-    int64_t last = 0;
-    for (int64_t d = 0; d < g.dim(); ++d) last += (g.size(d) - 1) * g.stride(d);
-    const int64_t device = static_cast<int64_t>(g.device().type()) << 16 | (g.device().index() + 1);
-    spans.push_back({device, lo, lo + static_cast<uintptr_t>((last + 1) * g.element_size()), i});
-  }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-    return a.device != b.device ? a.device < b.device : a.lo < b.lo;
-  });
-  const Span* reach = nullptr;
-  for (const Span& s : spans) {
-    if (reach && reach->device == s.device && s.lo < reach->hi)
-      return pybind11::make_tuple(std::min(reach->i, s.i), std::max(reach->i, s.i));
-    if (!reach || reach->device != s.device || s.hi > reach->hi) reach = &s;
-  }
-  return pybind11::none();
-}
 
 // The Python arguments of a direct operator call (below) as the schema's tensors: each a plain tensor (see
 // plain_tensor) or None where optional; anything else clears `ok`, and the caller then returns false having
@@ -621,10 +725,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("optim_state_mask", &optim_state_mask, pybind11::arg("policy"), pybind11::arg("hyper"),
         "Which of the policy's states a step with these hyperparameter values uses (bit k: state k).");
   m.def("state_overlap", &state_overlap, pybind11::arg("params"), pybind11::arg("states"), pybind11::arg("group_of"),
-        pybind11::arg("checks_list"),
+        pybind11::arg("checks_list"), pybind11::arg("grads") = pybind11::none(),
         "The first two tensors a step writes in place (params, state entries) that share memory, else None.");
-  m.def("shared_grads", &shared_grads, pybind11::arg("grads"),
-        "The first two grads (indices, i < j) that share memory, else None.");
+  m.def("memory_spans", &memory_spans, pybind11::arg("tensors"), pybind11::arg("owners"),
+        "The memory of tensors that a step writes, sorted, for shared_grads.");
+  m.def("shared_grads", &shared_grads, pybind11::arg("grads"), pybind11::arg("written"),
+        "The first grad over another grad, (i, j, 0), or over memory_spans' memory, (i, owner, 1); else None.");
   m.def("state_entries_check", &state_entries_check, pybind11::arg("params"), pybind11::arg("states"),
         pybind11::arg("checks"), pybind11::arg("masters"),
         "The index of the first param whose state holds an entry the optimizer's operator would refuse, else -1.");

@@ -303,8 +303,8 @@ def optim_step_(policy: str, params, grads, masters, states: dict, steps, *, lr,
       the policies that count steps (not Lion, nor SGD without momentum: then ignored, may be ``[]``).
 
     ``hyper``: every hyperparameter of the policy by name; a number (flags 0/1 or bools), or, for those
-    torch lets be tensors (Adam's betas, SGD's weight_decay), a one-element float32/float64 tensor on the
-    params' device, read by the update itself. Params, grads, masters and states must be distinct tensors
+    torch lets be tensors (Adam's betas, SGD's weight_decay; Lion's and LAMB's betas too), a one-element
+    float32/float64 tensor on the params' device, read by the update itself. Params, grads, masters and states must be distinct tensors
     (the kernels read them as non-overlapping arrays). ``lr``: a float or
     a one-element float32 tensor on the device. When ``found_inf`` != 0 nothing is written, steps included.
     ``counter`` (a zero int32 tensor of one element, optional): with it the CUDA update's last block

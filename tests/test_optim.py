@@ -571,8 +571,8 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
     p1, p2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     shared = torch.full((4,), 8.0)
     p1.grad = p2.grad = shared
-    with pytest.raises(ValueError, match=r"grads of param 0 of param group 0 and param 1 of param group 0 share memory"
-                                         r".* unscaled twice"):
+    with pytest.raises(ValueError, match=r"the grad of param 0 of param group 0 and the grad of param 1 of param group 0 "
+                                         r"are over the same memory.* unscaled twice"):
         FusedSGD([p1, p2], lr=1.0).step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
     assert p1.tolist() == p2.tolist() == [1.0] * 4 and shared.tolist() == [8.0] * 4
     # (the operator's own check, for its call's tensors)
@@ -596,15 +596,62 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
         before = [p1.detach().clone(), p2.detach().clone(), {k: v.clone() for k, v in opt.state[p1].items()}]
         shared = torch.full((4,), 8.0)
         p1.grad = p2.grad = shared
-        with pytest.raises(ValueError, match=r"grads of param 0 of param group 0 and param 1 of param group 1 share memory"):
+        with pytest.raises(ValueError, match=r"the grad of param 0 of param group 0 and the grad of param 1 of param "
+                                             r"group 1 are over the same memory"):
             opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
-        assert torch.equal(p1, before[0]) and torch.equal(p2, before[1]) and shared.tolist() == [8.0] * 4
-        assert all(torch.equal(opt.state[p1][k], v) for k, v in before[2].items())
-        # a clipped step writes the grads too; an unscaled, unclipped one only reads them (allowed, as in torch)
-        with pytest.raises(ValueError, match="share memory"):
+        unchanged = lambda: (torch.equal(p1, before[0]) and torch.equal(p2, before[1])  # noqa: E731
+                             and all(torch.equal(opt.state[p1][k], v) for k, v in before[2].items()))
+        assert unchanged() and shared.tolist() == [8.0] * 4
+        # a clipped step writes the grads too
+        with pytest.raises(ValueError, match="over the same memory"):
             opt.step(scaling=StepScaling(clip=(torch.tensor([1.0]), 1.0)))
+        # A grad over another group's param or state: its unscaled values were written there.
+        p2.grad = torch.full((4,), 8.0)
+        for over, named in ((p2.detach(), r"param 1 of param group 1"),
+                            (opt.state[p2]["exp_avg"] if planned else None, r"state\['exp_avg'\] of param 1 of param group 1"
+                             r"|param 1 of param group 1 \(or its state\)")):
+            if over is None:
+                continue
+            p1.grad = over
+            with pytest.raises(ValueError, match=r"(the grad of param 0 of param group 0 and {0}|{0} and the grad of "
+                                                 r"param 0 of param group 0).* over the same memory".format(named)):
+                opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+            assert unchanged() and torch.equal(p2.grad, torch.full((4,), 8.0))
+        # an unscaled, unclipped step only reads the grads (allowed, as in torch)
+        p1.grad = p2.grad = shared
         opt.step()
         assert not torch.equal(p1, before[0]) and torch.equal(p1, p2)
+
+    # Grads that interleave in one buffer (columns 0-1 and 2-3) share no element: stepped as separate grads, in
+    # one group and in two, on both paths.
+    for split in (False, True):
+        ref = [torch.nn.Parameter(torch.ones(4, 2)) for _ in range(2)]
+        ps = [torch.nn.Parameter(torch.ones(4, 2)) for _ in range(2)]
+        groups = lambda q: [{"params": [q[0]]}, {"params": [q[1]]}] if split else [{"params": q}]  # noqa: E731
+        opt, opt_ref = FusedAdamW(groups(ps), lr=0.1), FusedAdamW(groups(ref), lr=0.1)
+        for step in range(4):
+            buf = torch.arange(16.0).reshape(4, 4) * (step + 1)
+            ps[0].grad, ps[1].grad = buf[:, :2], buf[:, 2:]
+            ref[0].grad, ref[1].grad = buf[:, :2].clone(), buf[:, 2:].clone()
+            opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+            opt_ref.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+            assert torch.equal(buf[:, :2], ref[0].grad) and torch.equal(buf[:, 2:], ref[1].grad)
+        assert torch.equal(ps[0], ref[0]) and torch.equal(ps[1], ref[1])
+
+    # A state pointed at another group's by `.data` after the plan was made: refused (the plan's layouts hold the
+    # entries' memory, so the full path's check over every group runs), before the first group is written.
+    p1, p2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdam([{"params": [p1]}, {"params": [p2]}], lr=0.1)
+    for _ in range(3):
+        p1.grad, p2.grad = torch.full((4,), 0.5), torch.full((4,), 0.25)
+        opt.step()
+    assert opt.__dict__.get("_mpf_plan") is not None
+    opt.state[p2]["exp_avg"].data = opt.state[p1]["exp_avg"].data
+    before = p1.detach().clone(), opt.state[p1]["step"].clone()
+    with pytest.raises(ValueError, match=r"state\['exp_avg'\] of param 0 of param group 1 and state\['exp_avg'\] of "
+                                         r"param 0 of param group 0 are over the same memory"):
+        opt.step()
+    assert torch.equal(p1.detach(), before[0]) and torch.equal(opt.state[p1]["step"], before[1])
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = FusedAdam([p], lr=0.1)
@@ -615,7 +662,8 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
     st["exp_avg_sq"].data = st["exp_avg"].data
     before = p.detach().clone()
     p.grad = torch.full((3,), 0.5)
-    with pytest.raises(ValueError, match=r"exp_avg\[0\] and exp_avg_sq\[0\] share memory"):
+    with pytest.raises(ValueError, match=r"state\['exp_avg_sq'\] of param 0 of param group 0 and state\['exp_avg'\] of "
+                                         r"param 0 of param group 0 are over the same memory"):
         opt.step()
     assert torch.equal(p.detach(), before)
 

@@ -568,6 +568,11 @@ class _StepPlan:
     groups: list
     numels: Optional[list]  # every param's numel, for the offsets (stochastic rounding, some param without a grad)
     follows: list = field(default_factory=list)  # match()'s: the writes from outside this step to follow (_moved)
+    # Where groups make several operator calls: the memory their steps write in place (params and state entries,
+    # _C.memory_spans; the layouts hold it while the plan does) and, per owner, (group index, param); a scaled
+    # or clipped step checks that no grad is over another grad or over that memory (check_grads).
+    written: Optional[bytes] = None
+    owners: list = field(default_factory=list)
 
     @staticmethod
     def signature(group: dict) -> tuple:
@@ -621,7 +626,43 @@ class _StepPlan:
         # DTensors: their layouts hold the local shards' shapes, their offsets come from the global ones.)
         numels = None if offsets is None or all(g.mask is None and g.local_entries is None for g in groups) else \
             [p.numel() for g in opt.param_groups for p in g["params"]]
-        return cls(opt.state, groups, numels)
+        plan = cls(opt.state, groups, numels)
+        if sum(1 for g in groups if g.call is not None) > 1:
+            tensors, owner_of = [], []
+            for gi, ((group, ps, dtensors), gp) in enumerate(zip(work, groups)):
+                lps = [local(p) for p in ps] if dtensors else ps
+                for j, p in enumerate(ps):
+                    owner = len(plan.owners)
+                    plan.owners.append((gi, p))
+                    tensors.append(lps[j])
+                    owner_of.append(owner)
+                    for entries in gp.layout_entries:
+                        tensors.append(entries[j])
+                        owner_of.append(owner)
+            plan.written = _ops._C.memory_spans(tensors, owner_of)
+        return plan
+
+    def check_grads(self, grads: list) -> None:
+        """No grad of this step (``grads``: each group's, the kernels' tensors) over another grad or over what the
+        step writes in place (``written``): FusedOptimizer._check_state_disjoint's rule for the grads, on the planned
+        path. A ValueError naming both, before anything is written."""
+        flat = [g for gs in grads for g in gs]
+        found = _ops._C.shared_grads(flat, self.written)
+        if found is None:
+            return
+
+        def name(k: int, what: str) -> str:
+            gi, p = self.owners[k]
+            i = next(j for j, q in enumerate(self.groups[gi].group["params"]) if q is p)
+            return f"{what} {i} of param group {gi}"
+
+        # (the grads are in the owners' order: the plan's params with a grad, group by group)
+        first = name(found[0], "the grad of param")
+        second = name(found[1], "the grad of param" if found[2] == 0 else "param")
+        raise ValueError(f"{first} and {second}{'' if found[2] == 0 else ' (or its state)'} are over the same memory, and "
+                         "this step unscales or clips each grad in place (a grad shared by two params would be "
+                         "unscaled twice, one over a param or state would write its values there); give each "
+                         "param a grad of its own (e.g. .clone()), or step without a scaler or clip")
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
         """Per group, when this step repeats the plan's (else None): (the group, its _GroupPlan, its params
@@ -1099,19 +1140,30 @@ class FusedOptimizer(Optimizer):
                              "load_state_dict converts a saved state")
 
     @staticmethod
-    def _check_state_disjoint(params: list, states: list, group_of: list, where: list, checks: list) -> None:
-        """No two of the tensors a step writes in place share memory: the params with a grad and the state
-        entries it takes as they are (_C.state_overlap says which; DTensors by their local shards). An entry set by hand over another's memory
-        (``state['exp_avg'] = state['exp_avg_sq']``, or over a param) was updated twice from the same old
-        values, one write lost, in silence; on a GPU the writes would race. A ValueError naming both."""
-        found = _ops._C.state_overlap(params, states, group_of, checks)
+    def _check_state_disjoint(params: list, states: list, group_of: list, where: list, checks: list,
+                              grads: Optional[list] = None) -> None:
+        """No two of the tensors a step writes in place share memory, over every group (the operator checks only
+        its own call's): the params with a grad and the state entries it takes as they are, and with ``grads``
+        (a scaled or clipped step, which writes each grad back) their grads (_C.state_overlap says which;
+        DTensors by their local shards). An entry set by hand over another's memory (``state['exp_avg'] =
+        state['exp_avg_sq']``, or over a param) was updated twice from the same old values, one write lost, in
+        silence; on a GPU the writes would race. A grad shared by two params was unscaled twice, and one over
+        another param or state wrote its unscaled values there. A ValueError naming both."""
+        found = _ops._C.state_overlap(params, states, group_of, checks, grads)
         if found is None:
             return
 
         def name(k: int, key) -> str:
             gi, i = where[k]
-            return f"param {i} of param group {gi}" if key is None else f"state['{key}'] of param {i} of param group {gi}"
+            what = "param" if key is None else "the grad of param" if key is Ellipsis else f"state['{key}'] of param"
+            return f"{what} {i} of param group {gi}"
 
+        if found[1] is Ellipsis or found[3] is Ellipsis:
+            first, second = sorted((found[:2], found[2:]), key=lambda f: (where[f[0]], f[1] is Ellipsis))
+            raise ValueError(f"{name(*first)} and {name(*second)} are over the same memory, and "
+                             "this step unscales or clips each grad in place (a grad shared by two params would be "
+                             "unscaled twice, one over a param or state would write its values there); give each "
+                             "param a grad of its own (e.g. .clone()), or step without a scaler or clip")
         raise ValueError(f"{name(found[2], found[3])} and {name(found[0], found[1])} are over the same memory; a fused "
                          "step writes each in place, so one would be updated from the other's old values: give each "
                          "state entry a tensor of its own (e.g. .clone())")
@@ -1286,7 +1338,8 @@ class FusedOptimizer(Optimizer):
         offsets: dict[int, int] = {}  # the stochastic rounding's offsets: id(p) -> start in the flat order
         stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
         start = 0
-        stated = ([], [], [], [], [])  # the params a step writes, their states, groups, (gi, i), each group's checks
+        stated = ([], [], [], [], [], [])  # the params a step writes, their states, groups, (gi, i), each group's
+        # checks, their grads
         for gi, group in enumerate(self.param_groups):
             check_precision(group, f" (param group {gi})")
             remainder = group.get("master_weights") == "remainder"
@@ -1338,12 +1391,14 @@ class FusedOptimizer(Optimizer):
                     stated[1].append({k: local(v) for k, v in state.items()} if dtensors and state else state)
                     stated[2].append(len(stated[4]))
                     stated[3].append((gi, i))
+                    stated[5].append(local(p.grad))
                 stated[4].append((flat, masters, remainder))
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
             work.append((group, params, dtensors))
-        if stated[0]:
-            self._check_state_disjoint(*stated)
+        if stated[0]:  # (a scaled or clipped step writes the grads back: theirs too)
+            write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+            self._check_state_disjoint(*stated[:5], stated[5] if write_grad else None)
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
                 group["seed"] = self._default_seed()
@@ -1381,8 +1436,6 @@ class FusedOptimizer(Optimizer):
                     gi = next(k for k, g in enumerate(self.param_groups) if g is group)
                     raise why[1](f"param {i} of param group {gi}: its grad {why[0]}, which this step would write "
                                  f"back unscaled; {why[2]}, or step without a scaler")
-            self._check_grads_apart([(params, [_dist.local(p.grad) if dtensors else p.grad for p in params])
-                                     for _, params, dtensors in work])
         plannable = not torch.compiler.is_compiling()
         for group, params, dtensors in work:
             buckets: dict[torch.device, list] = defaultdict(list)
@@ -1487,8 +1540,8 @@ class FusedOptimizer(Optimizer):
         no_scalars = scaling is _NO_SCALING and clip is None
         device_scalars = None if no_scalars else self._device_scalars(scaling, clip)
         write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
-        if write_grad and sum(1 for call in calls if call[2]) > 1:  # (within one call, the operator checks)
-            self._check_grads_apart([(kps, lgs) for _, _, kps, _, lgs, _, _ in calls])
+        if write_grad and plan.written is not None:  # (within one call, the operator checks)
+            plan.check_grads([lgs for _, _, _, _, lgs, _, _ in calls])
         try:
             for params, targets, stochastic in plan.follows:  # (after every check: the first write of the step)
                 if params:
@@ -1511,27 +1564,6 @@ class FusedOptimizer(Optimizer):
             if gp.versions is not None and kps:
                 gp.versions = _step_versions(kps, gp.layout_entries, local_ps)
         return True
-
-    def _check_grads_apart(self, per_group: list) -> None:
-        """No two grads that a scaled or clipped step writes back share memory (over every group: the operator
-        checks only its own call's): a grad shared by two params would be unscaled twice, the second param
-        updated with a grad off by the scale. ``per_group``: per param group, in order, (its params with a
-        grad, the grads the kernels write: DTensors' local shards). A ValueError naming both params, before
-        anything is written."""
-        found = _ops._C.shared_grads([g for _, grads in per_group for g in grads])
-        if found is None:
-            return
-        names = []
-        for k in found:
-            for gi, (params, grads) in enumerate(per_group):
-                if k < len(grads):
-                    i = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is params[k])
-                    names.append(f"param {i} of param group {gi}")
-                    break
-                k -= len(grads)
-        raise ValueError(f"the grads of {names[0]} and {names[1]} share memory, and this step unscales or clips each "
-                         "grad in place (a grad shared by two params would be unscaled twice); give each param a grad "
-                         "of its own (e.g. .clone()), or step without a scaler or clip")
 
     @staticmethod
     def _device_lr(group: dict, device: torch.device):
