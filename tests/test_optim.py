@@ -1066,3 +1066,21 @@ def test_a_check_switch_that_is_not_a_bool_is_refused_before_writing(arg):
     import numpy as np  # numpy's bools are switches (numpy 2 names their type "bool")
     mpfused.non_finite_check_([x], found, torch.full((1,), 0.5), **{arg: np.True_})
     assert x.tolist() == ([2.0] * 3 if arg == "unscale" else [4.0] * 3) and found.item() == (0.0 if arg == "overwrite" else 1.0)
+
+
+def test_a_param_appended_twice_after_construction_is_named_as_the_same_tensor():
+    """A param appended by hand to a second group (or twice to one) after construction: refused at the step,
+    nothing written, saying it is the same tensor listed twice (it said 'different tensors over the same memory'
+    and advised sharing one Parameter object, which is what the user had done)."""
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    opt = FusedAdamW([{"params": [ps[0]]}, {"params": [ps[1]]}, {"params": [ps[2]]}], lr=0.1)
+    opt.param_groups[2]["params"].append(ps[0])
+    for p in ps:
+        p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="param 1 of param group 2 and param 0 of param group 0 are the same tensor"):
+        opt.step()
+    assert all(p.tolist() == [1.0] * 3 for p in ps) and not opt.state
+    opt = FusedSGD([ps[1]], lr=0.1)
+    opt.param_groups[0]["params"].append(ps[1])
+    with pytest.raises(ValueError, match="param 1 of param group 0 and param 0 of param group 0 are the same tensor"):
+        opt.step()

@@ -990,6 +990,10 @@ class FusedOptimizer(Optimizer):
                 if a is not None and b[0] < a[1] and self._span_still(a, key) and self._span_still(b, key):
                     if b[2] != index:  # (the new group's param first)
                         a, b = b, a
+                    if groups[a[2]]["params"][a[3]] is groups[b[2]]["params"][b[3]]:  # (added to a list by hand)
+                        raise ValueError(f"param {b[3]} of param group {b[2]} and param {a[3]} of param group {a[2]} are "
+                                         "the same tensor: some parameters appear more than once in the param groups "
+                                         "(torch refuses it too); list each param once")
                     raise ValueError(
                         f"param {b[3]} of param group {b[2]} and param {a[3]} of param group {a[2]} are different "
                         "tensors over the same memory (e.g. a weight tied with nn.Parameter(other) or with "
