@@ -540,6 +540,13 @@ class _GroupPlan:
     versions: Optional[bytes] = None
 
 
+# The end of the error for a grad that a scaled or clipped step writes back over memory that it also writes
+# (FusedOptimizer._check_state_disjoint on the full path, _StepPlan.check_grads on the planned one).
+_GRADS_OVERLAP = ("are over the same memory, and this step unscales or clips each grad in place (a grad shared by "
+                  "two params would be unscaled twice, one over a param or state would write its values there); "
+                  "give each param a grad of its own (e.g. .clone()), or step without a scaler or clip")
+
+
 @dataclass
 class _StepPlan:
     """What a step fixed for the next one (FusedOptimizer.step's planned path).
@@ -659,10 +666,7 @@ class _StepPlan:
         # (the grads are in the owners' order: the plan's params with a grad, group by group)
         first = name(found[0], "the grad of param")
         second = name(found[1], "the grad of param" if found[2] == 0 else "param")
-        raise ValueError(f"{first} and {second}{'' if found[2] == 0 else ' (or its state)'} are over the same memory, and "
-                         "this step unscales or clips each grad in place (a grad shared by two params would be "
-                         "unscaled twice, one over a param or state would write its values there); give each "
-                         "param a grad of its own (e.g. .clone()), or step without a scaler or clip")
+        raise ValueError(f"{first} and {second}{'' if found[2] == 0 else ' (or its state)'} {_GRADS_OVERLAP}")
 
     def match(self, opt: "FusedOptimizer") -> Optional[list]:
         """Per group, when this step repeats the plan's (else None): (the group, its _GroupPlan, its params
@@ -1164,10 +1168,7 @@ class FusedOptimizer(Optimizer):
 
         if found[1] is Ellipsis or found[3] is Ellipsis:
             first, second = sorted((found[:2], found[2:]), key=lambda f: (where[f[0]], f[1] is Ellipsis))
-            raise ValueError(f"{name(*first)} and {name(*second)} are over the same memory, and "
-                             "this step unscales or clips each grad in place (a grad shared by two params would be "
-                             "unscaled twice, one over a param or state would write its values there); give each "
-                             "param a grad of its own (e.g. .clone()), or step without a scaler or clip")
+            raise ValueError(f"{name(*first)} and {name(*second)} {_GRADS_OVERLAP}")
         raise ValueError(f"{name(found[2], found[3])} and {name(found[0], found[1])} are over the same memory; a fused "
                          "step writes each in place, so one would be updated from the other's old values: give each "
                          "state entry a tensor of its own (e.g. .clone())")
@@ -1400,8 +1401,10 @@ class FusedOptimizer(Optimizer):
             if group.get("capturable") and params:
                 check_capturable(group, params, scaling, f" (param group {gi})")
             work.append((group, params, dtensors))
-        if stated[0]:  # (a scaled or clipped step writes the grads back: theirs too)
-            write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
+        # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
+        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
+        if stated[0]:  # (the grads it writes back too)
             self._check_state_disjoint(*stated[:5], stated[5] if write_grad else None)
         for group in self.param_groups:  # a group switched to stochastic after it was added
             if group.get("rounding") == "stochastic" and group.get("seed") is None:
@@ -1414,9 +1417,6 @@ class FusedOptimizer(Optimizer):
         for device in {p.device for _, params, _ in work for p in params}:
             device_scalars(device)  # each device's copies now: what cannot be copied raises before any write
 
-        # A step that unscales or clips leaves in p.grad the gradient it used (unscaled, clipped), as torch's
-        # fused optimizers do: the kernel writes it in the same pass. A skipped step writes nothing.
-        write_grad = scaling.inv_scale is not None or scaling.grad_scale is not None or scaling.clip is not None
         if write_grad and not compiling:
             inference = torch.is_inference_mode_enabled()  # (there an inference grad can be written)
             # Grads this step cannot write back are refused before any group is written (the operator refuses
