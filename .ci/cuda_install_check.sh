@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The real GPU user's install path, proven on a machine without a GPU:
-#   a venv with the CUDA-enabled torch from PyPI, then `pip install --no-build-isolation .`
-#   (nvcc builds the CUDA kernels for INSTALL_ARCHS, below), then import the installed package and assert that
-#   build_info() reports CUDA. The CPU tests then run against that installed CUDA build.
+#   a venv with the CUDA-enabled torch from PyPI, then `pip install --no-build-isolation mpfused-<version>.tar.gz`,
+#   the source distribution of the tree (as a package index would serve it; made where no CUDA is asked for, so
+#   that it is shown to hold the CUDA sources whatever builds it), nvcc building the CUDA kernels for
+#   INSTALL_ARCHS (below); then import the installed package and assert that build_info() reports CUDA. The CPU
+#   tests then run against that installed CUDA build.
 # It also proves the ABI guard: the source tree's own extension (built by `make test` against the CPU
 # torch) must refuse to load under this other torch with a clear message.
 set -euo pipefail
@@ -74,7 +76,11 @@ else
     tar --exclude=./build --exclude='./.venv*' --exclude='./mpfused/_C*.so' --exclude=./mpfused/_build_config.py \
         --exclude=./benchmarks/results -cf - . | tar -xf - -C "$WORK"
   fi
-  (cd "$WORK" && TORCH_CUDA_ARCH_LIST="$INSTALL_ARCHS" MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --progress-bar off .)
+  (cd "$WORK" && MPFUSED_FORCE_CPU=1 "$VENV/bin/python" setup.py -q sdist --dist-dir "$INSTALL_DIR/sdist")
+  sdist=$(echo "$INSTALL_DIR"/sdist/mpfused-*.tar.gz)
+  [ -f "$sdist" ] || { echo "cuda_install_check: setup.py sdist made no archive in $INSTALL_DIR/sdist" >&2; exit 1; }
+  TORCH_CUDA_ARCH_LIST="$INSTALL_ARCHS" MAX_JOBS=$JOBS "$VENV/bin/python" -m pip install --no-build-isolation --no-deps \
+      --progress-bar off "$sdist"
   [ -z "$key" ] || echo "$key $(installed_hash)" > "$INSTALL_DIR/KEY"
 fi
 if [ "${1:-}" = "--build-only" ]; then

@@ -1,9 +1,12 @@
 """What the extension reports about its build, and the guard against a torch ABI mismatch."""
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -138,3 +141,40 @@ def test_setup_builds_compute_capability_9_for_sm90a():
     for bad in ("9", "8.0;sm_90", "Hopper;sm_90", ""):
         with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
             flags(bad)
+
+
+# What a copy of the repository for an sdist leaves out: git's data and what builds, tests and runs write beside
+# the sources (all ignored by git), so that the sdist is made from what a fresh clone holds.
+_NOT_IN_A_CLONE = shutil.ignore_patterns(".git", "build", "dist", ".venv*", "*.egg-info", "__pycache__", "*.so",
+                                         ".pytest_cache", ".hypothesis", "demo_out", "hf_trainer_out", ".whl")
+
+
+def test_the_sdist_holds_every_file_the_build_reads(tmp_path):
+    """`pip install --no-build-isolation mpfused-<version>.tar.gz` builds from the source distribution alone: it
+    must hold every file of csrc/ (the headers and .inc files that the sources include, and the .cu files whatever
+    kind of build the sdist was made in: without MANIFEST.in, setuptools took only the sources setup.py named for
+    the build at hand, none of the headers, and no .cu file in a CPU-only environment), the Python package, and
+    setup.py with the files it reads. A build's generated mpfused/_build_config.py stays out, and so do the tests.
+    (The CUDA install check in CI, .ci/cuda_install_check.sh, builds and installs the CUDA extension from such an
+    sdist.)"""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=_NOT_IN_A_CLONE)
+    (tree / "mpfused" / "_build_config.py").write_text("# a build's output, left behind in the tree\n")
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(dist)], cwd=tree, check=True,
+                   capture_output=True, text=True, env={**os.environ, "MPFUSED_FORCE_CPU": "1"})
+    (archive,) = dist.glob("mpfused-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = {Path(*Path(m.name).parts[1:]).as_posix() for m in tar.getmembers() if m.isfile()}
+
+    def files(*parts):
+        return {p.relative_to(tree).as_posix() for p in tree.joinpath(*parts).rglob("*") if p.is_file()}
+
+    csrc = files("csrc")
+    assert {"csrc/core/philox.h", "csrc/cpu/optim_impl.inc", "csrc/cuda/gemm.cu", "csrc/cuda/wgmma.cuh"} <= csrc
+    assert not csrc - names, f"the sdist lacks these files of csrc/: {sorted(csrc - names)}"
+    package = {f for f in files("mpfused") if f.endswith(".py") and f != "mpfused/_build_config.py"}
+    assert package and not package - names, f"the sdist lacks these files of the package: {sorted(package - names)}"
+    assert {"setup.py", "pyproject.toml", "README.md", "MANIFEST.in"} <= names
+    assert "mpfused/_build_config.py" not in names
+    assert not {n for n in names if n.startswith("tests/")}, "the tests stay in the repository"
