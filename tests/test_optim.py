@@ -622,6 +622,27 @@ def test_the_step_refuses_tensors_it_writes_that_share_memory():
         opt.step()
         assert not torch.equal(p1, before[0]) and torch.equal(p1, p2)
 
+    # A grad over another group's FP32 master, or over its BF16 remainder (read as BF16): refused on both paths,
+    # before anything is written (the master's and remainder's memory is state, as the moments are).
+    for planned in (False, True):
+        for key, dtype, mw in (("master_param", torch.float16, True), ("master_remainder", torch.bfloat16, "remainder")):
+            p1 = torch.nn.Parameter(torch.ones(4, dtype=torch.float32 if key == "master_param" else torch.bfloat16))
+            p2 = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+            opt = FusedAdamW([{"params": [p1]}, {"params": [p2], "master_weights": mw}], lr=0.1)
+            for _ in range(3):
+                p1.grad, p2.grad = torch.full_like(p1, 8.0), torch.full_like(p2, 8.0)
+                opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+            if not planned:  # a loaded state dict: the next step takes the full path
+                opt.load_state_dict(opt.state_dict())
+            assert (opt.__dict__.get("_mpf_plan") is not None) == planned
+            held = opt.state[p2][key]
+            p1.grad = held if key == "master_param" else held.view(torch.bfloat16)
+            before = held.clone(), p1.detach().clone(), p2.detach().clone()
+            with pytest.raises(ValueError, match=r"state\['{}'\] of param 0 of param group 1|param 0 of param group 1 "
+                                                 r"\(or its state\)".format(key)):
+                opt.step(scaling=StepScaling(inv_scale=torch.tensor([0.5])))
+            assert torch.equal(held, before[0]) and torch.equal(p1, before[1]) and torch.equal(p2, before[2])
+
     # Grads that interleave in one buffer (columns 0-1 and 2-3) share no element: stepped as separate grads, in
     # one group and in two, on both paths.
     for split in (False, True):
