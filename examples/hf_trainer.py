@@ -213,8 +213,9 @@ def main(argv=None) -> dict:
         before = skipped
     print(f"skipped steps: {unbroken['skipped_steps']} (step {args.overflow_step} forced to overflow); "
           f"the LR schedule advanced {unbroken['scheduler_steps']} of {unbroken['global_step']} steps")
+    masters = " (FP32 masters included)" if args.param_dtype != "float32" else ""
     print(f"resumed from {checkpoint.name}: "
-          + ("params, optimizer state (FP32 masters included) and scaler state equal the unbroken run's, bit for bit"
+          + (f"params, optimizer state{masters} and scaler state equal the unbroken run's, bit for bit"
              if not diff else "DIFFERS from the unbroken run: " + ", ".join(diff)))
     return {"unbroken": unbroken, "resumed": resumed, "differences": diff, "checkpoint": checkpoint}
 
