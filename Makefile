@@ -15,7 +15,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 # The torch that `make test` installs when the venv has none. A CPU build is enough for the tests.
 TORCH_SPEC ?= torch==2.13.0
-DEV_PACKAGES := numpy pytest hypothesis ninja setuptools wheel rich tqdm matplotlib scikit-learn
+DEV_PACKAGES := numpy pytest hypothesis ninja 'setuptools>=77' wheel rich tqdm matplotlib scikit-learn
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check

@@ -40,6 +40,28 @@ def locate_cuda_home() -> None:
         os.environ["CUDA_HOME"] = str(top)
 
 
+def setuptools_problem(version: str) -> str:
+    """A message where this setuptools cannot build mpfused, else "". pyproject.toml's `license` is an SPDX
+    expression, which setuptools reads from 77.0 on; an older one (Python 3.11's venvs start with 65.5) stops at
+    pyproject.toml with a schema error that names no version. With --no-build-isolation the setuptools of the
+    environment builds, whatever build-system.requires asks for."""
+    m = re.match(r"(\d+)", version)
+    if m and int(m.group(1)) >= 77:
+        return ""
+    return (f"mpfused: setuptools {version} is too old to build mpfused (pyproject.toml's license is an SPDX "
+            "expression, read by setuptools 77.0 and newer): pip install -U 'setuptools>=77', then build again "
+            "with --no-build-isolation")
+
+
+def check_setuptools() -> None:
+    import setuptools
+
+    message = setuptools_problem(setuptools.__version__)
+    if message:
+        sys.exit(message)
+
+
+check_setuptools()
 locate_cuda_home()
 
 try:

@@ -24,7 +24,7 @@ command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || { echo "cuda_install_ch
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy setuptools wheel ninja pytest hypothesis rich tqdm matplotlib
+"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy 'setuptools>=77' wheel ninja pytest hypothesis rich tqdm matplotlib
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # --venv-only: the venv alone (.ci/run prepares it in the background while `make test` runs: unpacking
 # CUDA torch's gigabytes is mostly disk and decompression, which overlaps the compiles and the tests).

@@ -55,7 +55,7 @@ if [ ! -x "$GPU_VENV/bin/python" ]; then
   "$py" -m venv "$GPU_VENV"
 fi
 # (the constraint file of a machine may cap torch below the GPU machine's release: this venv is its own)
-PIP_CONSTRAINT= "$GPU_VENV/bin/python" -m pip install --progress-bar off -q "$GPU_TORCH_SPEC" numpy setuptools wheel ninja \
+PIP_CONSTRAINT= "$GPU_VENV/bin/python" -m pip install --progress-bar off -q "$GPU_TORCH_SPEC" numpy 'setuptools>=77' wheel ninja \
   pytest hypothesis
 "$GPU_VENV/bin/python" -c "import torch; assert torch.version.cuda, 'gpu_prebuild: $GPU_TORCH_SPEC has no CUDA'"
 

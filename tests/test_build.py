@@ -103,6 +103,19 @@ def test_setup_checks_nvcc_against_the_cuda_of_torch():
     assert level == "note" and "13.1" in message and "13.0" in message
 
 
+def test_setup_checks_the_setuptools_version():
+    """pyproject.toml's SPDX license needs setuptools 77+; with --no-build-isolation the environment's own builds, and
+    an older one (Python 3.11's venvs start with 65.5) stopped with a schema error naming no version: setup.py says
+    which setuptools it found and what to install, before anything else."""
+    problem = _setup_functions("setuptools_problem")["setuptools_problem"]
+    assert problem("77.0.3") == problem("84.2.1") == problem("100.0") == ""
+    message = problem("65.5.0")
+    assert "setuptools 65.5.0 is too old" in message and "pip install -U 'setuptools>=77'" in message
+    assert problem("76.1.0") != ""
+    assert re.search(r'^license = "Apache-2\.0"', (ROOT / "pyproject.toml").read_text(), re.M)  # what needs 77
+    assert '"setuptools>=77"' in (ROOT / "pyproject.toml").read_text()
+
+
 def test_setup_reads_the_nvcc_release(tmp_path):
     """The release number comes from $CUDA_HOME/bin/nvcc --version; an nvcc that prints none, or cannot run,
     stops the build with a message naming it."""
