@@ -864,7 +864,25 @@ def activation_backward(grad: torch.Tensor, act_input: torch.Tensor, activation:
     gradient of a FusedLinear with a GELU differed in every one of 200 random cases), and a compiled
     training step would then not be eager's bit for bit."""
     _check_activation_backward(grad, act_input, activation, grad_pre, bias_dtype)
+    _check_in_storage((("grad", grad), ("act_input", act_input), ("grad_pre", grad_pre)))
     return _activation_backward_eager(grad, act_input, activation, grad_pre, bias_dtype)
+
+
+def _check_in_storage(tensors) -> None:
+    """The C++ operators' storage check (csrc/torch/common.h, check_in_storage) for the operators made of torch's
+    own ops, whose kernels read a tensor whose storage was freed or shrunk after it was made past its end (a
+    crash): every element inside the storage, the same message. Real tensors only (not in fake kernels)."""
+    for name, t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        end = (t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        nbytes = t.untyped_storage().nbytes()
+        if end > nbytes:
+            raise ValueError(
+                f"{name} reaches past the end of its storage (a {str(t.dtype).replace('torch.', '')} tensor of shape "
+                f"{list(t.shape)} on {t.device} at storage offset {t.storage_offset()} with strides {list(t.stride())}, "
+                f"over a storage of {nbytes} bytes): its storage was freed or shrunk after the tensor was made "
+                "(untyped_storage().resize_(), as FSDP frees unsharded params)")
 
 
 _GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -965,6 +983,7 @@ def bias_grad(grad: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
     inductor, the sum and its rounding differ from eager's (torch 2.11 under autocast: the rounding to FP16
     was left out)."""
     _check_bias_grad(grad, bias_dtype)
+    _check_in_storage((("grad", grad),))
     return _bias_grad_eager(grad, bias_dtype)
 
 

@@ -5,6 +5,8 @@ this machine has. Sample inputs cover each op's optional arguments."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -548,3 +550,122 @@ def test_loss_scale_update_refuses_aliased_tensors_and_a_zero_backoff_before_wri
     assert t[0].item() == 2.0**16 and t[3].item() == 0
     _ops.loss_scale_update_(*t, **kw)  # found_inf 1: backs off
     assert t[0].item() == 2.0**15 and t[3].item() == 1 and t[5].item() == 2.0**-15
+
+
+def _schema(op):
+    return getattr(torch.ops.mpfused, op).default._schema
+
+
+def _tensor_slots(args):
+    """(argument index, list index or None, tensor) of every tensor among args, in lists too."""
+    for i, v in enumerate(args):
+        if isinstance(v, torch.Tensor):
+            yield i, None, v
+        elif isinstance(v, (list, tuple)):
+            for j, t in enumerate(v):
+                if isinstance(t, torch.Tensor):
+                    yield i, j, t
+
+
+def _cloned(args):
+    return [v.clone() if isinstance(v, torch.Tensor) else
+            [t.clone() if isinstance(t, torch.Tensor) else t for t in v] if isinstance(v, (list, tuple)) else v
+            for v in args]
+
+
+def _put(args, i, j, t):
+    if j is None:
+        args[i] = t
+    else:
+        args[i][j] = t
+
+
+def _bits(t):
+    return t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _same_tensors(a, b):
+    return all(torch.equal(_bits(x), _bits(y)) for (_, _, x), (_, _, y) in zip(_tensor_slots(a), _tensor_slots(b)))
+
+
+def _plain_cases(op):
+    """The samples without autograd (inputs that require grad) and without keyword arguments."""
+    return [args for args, kwargs in samples(op, "cpu")
+            if not kwargs and not any(t.requires_grad for _, _, t in _tensor_slots(args))]
+
+
+# Arguments that the storage check's message names by their role, not by the schema's name.
+STORAGE_NAMES = {("fixed_point_matmul", "a"): "a_codes", ("fixed_point_matmul", "b"): "b_codes",
+                 ("optim_step_", "states"): r"(exp_avg|exp_avg_sq|max_exp_avg_sq)\[\d\]"}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_tensor_outside_its_storage_is_refused_before_anything_is_written(op):
+    """A tensor whose storage was freed (untyped_storage().resize_(0), as FSDP frees unsharded params) or shrunk
+    after it was made: the kernels take untyped data pointers, so it was read or written out of bounds (a crash,
+    or a heap corrupted in silence). Every operator refuses it, naming the argument, before any write."""
+    names = [a.name for a in _schema(op).arguments]
+    cases = _plain_cases(op) or [args for args, _ in samples(op, "cpu")][:1]
+    ran = 0
+    for args in cases:
+        for i, j, t in list(_tensor_slots(args)):
+            if t.numel() == 0 or t.requires_grad:
+                continue
+            for keep in (0, 1):  # freed, or shrunk to one element's bytes less than the tensor needs
+                call = _cloned(args)
+                victim = call[i] if j is None else call[i][j]
+                needed = (victim.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(victim.shape, victim.stride())))
+                # (the others' values before the call; the victim itself cannot be read: torch's own clone of
+                # it would read past its storage too)
+                before = {(ia, ja): a.clone() for ia, ja, a in _tensor_slots(call) if (ia, ja) != (i, j)}
+                victim.untyped_storage().resize_(keep * (needed - 1) * victim.element_size())
+                name = re.escape(names[i] + ("" if j is None else f"[{j}]"))
+                name = STORAGE_NAMES.get((op, names[i]), name)  # (where the message names the argument's role)
+                with pytest.raises(ValueError, match=rf"^({name}) reaches past the end of its storage"):
+                    getattr(torch.ops.mpfused, op)(*call)
+                rest = [(a, before[(ia, ja)]) for ia, ja, a in _tensor_slots(call) if (ia, ja) != (i, j)]
+                assert all(torch.equal(_bits(a), _bits(b)) for a, b in rest), (op, names[i], j)
+                ran += 1
+    assert ran > 0, op
+
+
+IN_PLACE = [op for op in OPS if any(a.alias_info is not None and a.alias_info.is_write for a in _schema(op).arguments)]
+
+
+@pytest.mark.parametrize("op", IN_PLACE)
+def test_in_place_operators_refuse_written_math_bit_views_and_resolve_read_ones(op):
+    """x.conj().imag is a view with torch's lazy negation bit. Through torch's math-bits fallback an operator that
+    returns nothing read past its call's arguments (an internal assert, a crash, or a found_inf left unset): an
+    argument the operator writes with such a bit is refused, naming it, before anything is written; one it only
+    reads is resolved (the same result as without the bit)."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "Negative")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "Conjugate")
+    arguments = _schema(op).arguments
+    fn = getattr(torch.ops.mpfused, op)
+    written_seen = read_seen = 0
+    for args in _plain_cases(op):
+        for i, j, t in list(_tensor_slots(args)):
+            a = arguments[i]
+            call = _cloned(args)
+            value = call[i] if j is None else call[i][j]
+            _put(call, i, j, torch._neg_view(value.neg()))  # the same values, through the negation bit
+            if a.alias_info is not None and a.alias_info.is_write:
+                before = _cloned(call)
+                name = re.escape(a.name + ("" if j is None else f"[{j}]"))
+                with pytest.raises(ValueError, match=rf"{name} is a view with torch's lazy negation bit set"):
+                    fn(*call)
+                assert _same_tensors(call, before), (op, a.name, j)
+                written_seen += 1
+            else:
+                plain = _cloned(args)
+                fn(*plain)
+                fn(*call)
+                assert _same_tensors(call, plain), (op, a.name, j)
+                read_seen += 1
+    assert written_seen > 0, op
+    # the view of the real part of a conjugated complex tensor, as user code makes one
+    if op == "non_finite_check_":
+        grads = torch.tensor([1.0 + 0j, 2.0 - 1j * float("inf")]).conj().imag  # [-0., inf] through the bit
+        found = torch.zeros(1)
+        fn([grads], found, None, None, False, None, None)
+        assert found.item() == 1.0

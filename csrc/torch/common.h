@@ -72,16 +72,42 @@ inline void check_plain(const at::Tensor& t, const std::string& name) {
                                "data (for DTensor: .to_local()).");
 }
 
+// Whether every element of a plain strided tensor lies inside its storage. A tensor whose storage was freed
+// (untyped_storage().resize_(0), as FSDP frees unsharded params) or shrunk after the tensor was made holds
+// elements that the kernels, which take its untyped data pointer, would read or write out of bounds (torch's
+// own kernels refuse the first: "its data is not allocated yet"). Views are bounds-checked when they are made
+// (as_strided included) and strides are never negative, so the furthest element is the storage offset plus
+// (size - 1) * stride over the dims.
+inline bool in_storage(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->numel() == 0) return true;
+  uint64_t last = static_cast<uint64_t>(impl->storage_offset());
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  for (size_t d = 0; d < sizes.size(); ++d) last += static_cast<uint64_t>(sizes[d] - 1) * static_cast<uint64_t>(strides[d]);
+  return (last + 1) * impl->itemsize() <= impl->unsafe_storage().nbytes();
+}
+
+inline void check_in_storage(const at::Tensor& t, const std::string& name) {
+  if (!in_storage(t))
+    fail(name + " reaches past the end of its storage (a " + describe(t) + " at storage offset " +
+         std::to_string(t.storage_offset()) + " with strides " + c10::str(t.strides()) + ", over a storage of " +
+         std::to_string(t.unsafeGetTensorImpl()->unsafe_storage().nbytes()) + " bytes): its storage was freed or "
+         "shrunk after the tensor was made (untyped_storage().resize_(), as FSDP frees unsharded params)");
+}
+
 inline void check_dense(const at::Tensor& t, const std::string& name) {
   if (!t.defined()) fail(name + " must be a tensor, got None");
   check_plain(t, name);
   if (t.layout() != at::kStrided) fail(name + " must be a dense (strided) tensor, got a sparse " + describe(t));
+  check_in_storage(t, name);
 }
 
 // What check_dense takes, as one test without its messages (a per-tensor check on a hot path tests this
 // first, and makes its messages only for a tensor that fails).
 inline bool plain_dense(const at::Tensor& t) {
-  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python);
+  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python) &&
+         in_storage(t);
 }
 
 // The optimizer's kernels read a param, its grad, master and state as flat arrays, so each must lay its

@@ -126,6 +126,7 @@ std::vector<mpf::OptimTensor> optim_tensors(at::TensorList params, at::TensorLis
       if (!same_layout(g, p))
         fail("grads" + idx() + " must have its param's memory layout (strides " + c10::str(p.strides()) + "), got a " +
              describe_layout(g));
+      check_in_storage(g, "grads" + idx());
       TORCH_INTERNAL_ASSERT(false, "grad_pairs refused params", idx(), " and its grad for no reason the checks give");
     }
     DType d = DType::kFloat32;
