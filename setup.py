@@ -42,11 +42,12 @@ def locate_cuda_home() -> None:
 
 def setuptools_problem(version: str) -> str:
     """A message where this setuptools cannot build mpfused, else "". pyproject.toml's `license` is an SPDX
-    expression, which setuptools reads from 77.0 on; an older one (Python 3.11's venvs start with 65.5) stops at
-    pyproject.toml with a schema error that names no version. With --no-build-isolation the setuptools of the
-    environment builds, whatever build-system.requires asks for."""
+    expression, which setuptools reads from 77.0 on; from 61.0 (which reads pyproject.toml's [project] table) to
+    76 it stops at pyproject.toml with a schema error that names no version (Python 3.11's venvs start with
+    65.5). Older ones ignore that table, and `setup.py build_ext` still works with them. With
+    --no-build-isolation the setuptools of the environment builds, whatever build-system.requires asks for."""
     m = re.match(r"(\d+)", version)
-    if m and int(m.group(1)) >= 77:
+    if not m or not 61 <= int(m.group(1)) < 77:
         return ""
     return (f"mpfused: setuptools {version} is too old to build mpfused (pyproject.toml's license is an SPDX "
             "expression, read by setuptools 77.0 and newer): pip install -U 'setuptools>=77', then build again "
@@ -72,6 +73,22 @@ except ImportError:  # pragma: no cover - message for users only
         "mpfused needs torch installed before it is built: pip install torch, then "
         "pip install --no-build-isolation ."
     )
+
+OLDEST_TORCH = (2, 9)  # pyproject.toml's dependency, the oldest torch tried (README, "Install")
+
+
+def torch_problem(version: str) -> str:
+    """A message where the installed torch is older than pyproject.toml asks for, else "". Built against it, the
+    extension would not load after pip, resolving the dependency, installed a newer torch beside it."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m or (int(m.group(1)), int(m.group(2))) >= OLDEST_TORCH:
+        return ""
+    return (f"mpfused: torch {version} is older than {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}, the oldest it supports: "
+            f"pip install 'torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}', then build again with --no-build-isolation")
+
+
+if torch_problem(torch.__version__):
+    sys.exit(torch_problem(torch.__version__))
 
 
 def read_version() -> str:

@@ -415,6 +415,9 @@ class GradScaler(torch.amp.GradScaler):
                                          "twice in a norm")
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
+                    if not grad.is_floating_point():  # torch's op refused it, after the grads before it were unscaled
+                        raise TypeError(f"param {i} of param group {gi}: its grad is a {grad.dtype} tensor; the "
+                                        "scaler unscales floating-point grads only")
                     if grad.is_sparse:
                         if grad.dtype is torch.float16 or for_norm:
                             # duplicate indices of scaled FP16 values may overflow only once added: check

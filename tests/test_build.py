@@ -111,9 +111,23 @@ def test_setup_checks_the_setuptools_version():
     assert problem("77.0.3") == problem("84.2.1") == problem("100.0") == ""
     message = problem("65.5.0")
     assert "setuptools 65.5.0 is too old" in message and "pip install -U 'setuptools>=77'" in message
-    assert problem("76.1.0") != ""
+    assert problem("76.1.0") != "" and problem("61.0.0") != ""
+    assert problem("59.6.0") == ""  # reads no [project] table: `setup.py build_ext` works as before
     assert re.search(r'^license = "Apache-2\.0"', (ROOT / "pyproject.toml").read_text(), re.M)  # what needs 77
     assert '"setuptools>=77"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_setup_refuses_a_torch_older_than_pyproject_asks_for():
+    """Built against an older torch, the extension would fail its ABI check once pip installed the torch that
+    pyproject.toml asks for: setup.py stops first, naming both versions."""
+    functions = _setup_functions("torch_problem")
+    functions["OLDEST_TORCH"] = (2, 9)
+    problem = functions["torch_problem"]
+    assert problem("2.9.1+cu128") == problem("2.13.0+cpu") == problem("3.0.0") == ""
+    message = problem("2.8.0")
+    assert "torch 2.8.0 is older than 2.9" in message and "pip install 'torch>=2.9'" in message
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=2\.9"', pyproject) and "OLDEST_TORCH = (2, 9)" in (ROOT / "setup.py").read_text()
 
 
 def test_setup_reads_the_nvcc_release(tmp_path):

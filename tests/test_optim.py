@@ -502,6 +502,10 @@ def test_a_bad_state_dict_is_refused_whole_and_the_optimizer_stays_as_it_was():
 
     cases = [
         (bad(lambda sd: sd["state"][0].__setitem__("exp_avg", 3)), r"state 'exp_avg' of param 0 .* must be a tensor, got int"),
+        # None only where torch saves it (SGD's momentum_buffer): a None moment loaded, the next step rewrote the
+        # masters from the params before the operator refused it
+        (bad(lambda sd: sd["state"][1].__setitem__("exp_avg", None)), r"state 'exp_avg' of param 1 .* must be a tensor, got NoneType"),
+        (bad(lambda sd: sd["state"][0].__setitem__("master_remainder", None)), r"state 'master_remainder' of param 0 .* got NoneType"),
         (bad(lambda sd: sd["state"][1].__setitem__("exp_avg_sq", torch.zeros(5))), r"state 'exp_avg_sq' of param 1 .* shape \(3,\)"),
         # a wrongly shaped remainder while the group switches to FP32 masters (the group's key changed too)
         (bad(lambda sd: (sd["state"][1].__setitem__("master_remainder", torch.zeros(5, dtype=torch.int16)),

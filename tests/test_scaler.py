@@ -395,6 +395,14 @@ def test_a_grad_that_cannot_be_written_stops_unscale_before_any_grad_is(device):
     b.grad = b.grad.clone()
     scaler.unscale_(opt)
     assert a.grad.tolist() == [2.0] * 4 and b.grad.tolist() == [2.0] * 4
+    # an integer grad (set through .data): torch's op refused it after the float grads were unscaled
+    scaler = mpfused.GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
+    a.grad, b.grad = torch.full((4,), 8.0, device=device), torch.zeros(4, device=device)
+    b.grad.data = torch.ones(4, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="param 1 of param group 0: its grad is a torch.int32 tensor"):
+        scaler.unscale_(opt)
+    assert a.grad.tolist() == [8.0] * 4
 
 
 def test_update_checks_a_cpu_tensor_new_scale():

@@ -589,14 +589,40 @@ def _same_tensors(a, b):
 
 
 def _plain_cases(op):
-    """The samples without autograd (inputs that require grad) and without keyword arguments."""
-    return [args for args, kwargs in samples(op, "cpu")
-            if not kwargs and not any(t.requires_grad for _, _, t in _tensor_slots(args))]
+    """The samples without autograd (inputs that require grad), their keyword arguments placed by the schema
+    (the GEMM's bias and c), and for optim_step_ one with every optional tensor: an lr tensor, tensor betas
+    (Tensor?[]), a grad scale and a BF16 param with a remainder."""
+    arguments = _schema(op).arguments
+    cases = []
+    for args, kwargs in samples(op, "cpu"):
+        args = list(args)
+        for a in arguments[len(args):]:
+            args.append(kwargs.pop(a.name, a.default_value))
+        assert not kwargs, kwargs
+        if not any(t.requires_grad for _, _, t in _tensor_slots(args)):
+            cases.append(args)
+    if op == "optim_step_":
+        full = list(adam_args("cpu", torch.float32, masters=False))
+        names = [a.name for a in arguments]
+        full[names.index("lr_tensor")] = torch.tensor([1e-3], dtype=torch.float64)
+        full[names.index("hyper_tensors")] = [torch.tensor([0.9], dtype=torch.float64)] + [None] * 6  # beta1
+        full[names.index("grad_scale")] = scalar("cpu", 2.0)
+        full[names.index("inv_scale")] = None  # (one or the other)
+        bf = fp((5,), "cpu", torch.bfloat16, 9)
+        full[names.index("params")] = full[names.index("params")][:1] + [bf]
+        full[names.index("grads")] = full[names.index("grads")][:1] + [fp((5,), "cpu", torch.bfloat16, 10)]
+        full[names.index("remainders")] = [torch.zeros(5, dtype=torch.int16)]
+        full[names.index("remainder_index")] = [-1, 0]
+        full[names.index("states")] = [torch.zeros(p.shape) for p in full[names.index("params")] for _ in range(2)]
+        cases.append(full)
+    return cases
 
 
 # Arguments that the storage check's message names by their role, not by the schema's name.
 STORAGE_NAMES = {("fixed_point_matmul", "a"): "a_codes", ("fixed_point_matmul", "b"): "b_codes",
-                 ("optim_step_", "states"): r"(exp_avg|exp_avg_sq|max_exp_avg_sq)\[\d\]"}
+                 ("optim_step_", "states"): r"(exp_avg|exp_avg_sq|max_exp_avg_sq)\[\d\]",
+                 ("optim_step_", "remainders"): r"remainders\[\d\]",  # (by its param's index)
+                 ("optim_step_", "lr_tensor"): "lr", ("optim_step_", "hyper_tensors"): "beta1"}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -663,6 +689,10 @@ def test_in_place_operators_refuse_written_math_bit_views_and_resolve_read_ones(
                 assert _same_tensors(call, plain), (op, a.name, j)
                 read_seen += 1
     assert written_seen > 0, op
+    # a written complex tensor with the conjugation bit (the Conjugate key): refused too, naming it
+    if op == "non_finite_check_":
+        with pytest.raises(ValueError, match="found_inf is a view with torch's lazy conjugation bit set"):
+            fn([torch.ones(3)], torch.zeros(1, dtype=torch.complex64).conj(), None, None, False, None, None)
     # the view of the real part of a conjugated complex tensor, as user code makes one
     if op == "non_finite_check_":
         grads = torch.tensor([1.0 + 0j, 2.0 - 1j * float("inf")]).conj().imag  # [-0., inf] through the bit

@@ -81,6 +81,8 @@ inline void check_plain(const at::Tensor& t, const std::string& name) {
 inline bool in_storage(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->numel() == 0) return true;
+  if (impl->is_contiguous())  // (a cached flag: the optimizers' tensors take this path, without the loop)
+    return static_cast<uint64_t>(impl->storage_offset() + impl->numel()) * impl->itemsize() <= impl->unsafe_storage().nbytes();
   uint64_t last = static_cast<uint64_t>(impl->storage_offset());
   const auto sizes = impl->sizes();
   const auto strides = impl->strides();

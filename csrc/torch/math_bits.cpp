@@ -22,6 +22,9 @@ namespace {
 bool has_math_bit(const at::Tensor& t) { return t.defined() && (t.is_neg() || t.is_conj()); }
 
 at::Tensor resolved(const at::Tensor& t, bool written, const std::string& name) {
+  // First the storage check that the kernels make (check_dense): resolving copies the tensor, which would read
+  // past the end of a freed or shrunk storage.
+  if (t.layout() == at::kStrided && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python)) check_in_storage(t, name);
   if (written)
     fail(name + " is a view with torch's lazy " + (t.is_conj() ? "conjugation" : "negation") +
          " bit set (such as x.conj().imag), which mpfused cannot write in place; pass a tensor without it (made by "

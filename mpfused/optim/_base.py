@@ -1795,7 +1795,8 @@ class FusedOptimizer(Optimizer):
                     raise ValueError(f"state {k!r} of the loaded state dict must be a dict, got {type(v).__name__} "
                                      "(nothing was loaded)")
                 for key, value in v.items():  # (None: torch's SGD without momentum saves momentum_buffer as None)
-                    if key in tensor_keys and value is not None and not isinstance(value, torch.Tensor):
+                    if key in tensor_keys and not isinstance(value, torch.Tensor) and \
+                            (value is not None or key != "momentum_buffer"):
                         raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must be a tensor, "
                                          f"got {type(value).__name__} (nothing was loaded)")
                     if key in tensor_keys and isinstance(value, torch.Tensor) and not _dist.is_dtensor(param) \

@@ -68,7 +68,7 @@ def test_lightning_block():
 
     scaler = scaler_of(ns["trainer"])
     assert isinstance(scaler, mpfused.GradScaler) and ns["trainer"].global_step == 4
-    assert math.isfinite(scaler.get_scale())
+    assert scaler._growth_tracker.item() + scaler.skipped_steps > 0  # its update ran: it did the scaling
     assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before))
 
 
@@ -108,4 +108,5 @@ def test_hf_trainer_block(fresh_accelerate_state, tmp_path):
     assert ns["trainer"].state.global_step == 4 and isinstance(ns["scaler"], mpfused.GradScaler)
     p = next(model.parameters())
     assert p.dtype == torch.float16 and optimizer.state[p]["master_param"].dtype == torch.float32
-    assert ns["scaler"].get_scale() <= 65536.0
+    scaler = ns["scaler"]
+    assert scaler._growth_tracker.item() + scaler.skipped_steps > 0  # its update ran: it did the scaling
