@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import struct
 import weakref
 import numbers
@@ -91,6 +92,34 @@ def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     if t.is_contiguous() or is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise
         return flat(t)
     return None
+
+
+def _name_overlap(error: ValueError, kernel: list, optimizer) -> ValueError:
+    """The kernel's error for two of its tensors over the same memory ("tensors[b] and tensors[a] share
+    memory"), with the params whose grads they are named instead; ``error`` itself for any other."""
+    m = re.match(r"tensors\[(\d+)\] and tensors\[(\d+)\] share memory", str(error))
+    if m is None:
+        return error
+
+    def name(t: torch.Tensor) -> Optional[str]:
+        for gi, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if type(grad) not in _PLAIN and _dist.is_dtensor(grad):
+                    grad = _dist.local(grad)
+                if grad.is_sparse:
+                    grad = grad._values()
+                if grad.layout == torch.strided and grad.data_ptr() == t.data_ptr() and grad.numel() == t.numel():
+                    return f"param {i} of param group {gi}"
+        return None
+
+    first, second = (name(kernel[int(j)]) for j in sorted(m.groups(), key=int))
+    if first is None or second is None:
+        return error
+    return ValueError(f"the grads of {first} and of {second} share memory: an in-place unscale would unscale "
+                      "the shared elements twice; give each param a grad of its own (e.g. .clone())")
 
 
 def _number(name: str, value, what: str) -> float:
@@ -464,9 +493,10 @@ class GradScaler(torch.amp.GradScaler):
         return mesh
 
     def _pass(self, buckets: dict, inv_scale: Optional[torch.Tensor], *, unscale: bool, sumsq: bool,
-              found_inf: Optional[torch.Tensor] = None):
+              found_inf: Optional[torch.Tensor] = None, optimizer=None):
         """One multi-tensor pass per bucket (see _collect): found_inf per device, optionally the unscale in
-        place (by inv_scale) and the sum of squares of the unscaled values per norm key. ``found_inf``
+        place (by inv_scale) and the sum of squares of the unscaled values per norm key (``optimizer``, the
+        one _collect read, names the params in the kernel's errors). ``found_inf``
         (optional) is the value each device's flag starts from, as in torch's _unscale_grads_. Returns
         (found per device, {norm key: sum of squares on the scale's device} or None, the norm when one
         launch computed it, else None)."""
@@ -492,9 +522,15 @@ class GradScaler(torch.amp.GradScaler):
             n = torch.empty((), dtype=torch.float32, device=device) if (fresh and sumsq) else None
             inv = None if inv_rep is None else (inv_scale if device == inv_scale.device else inv_rep.get(device))
             if kernel or fresh:
-                _ops.non_finite_check_(kernel, f, inv, unscale=unscale and inv is not None, sumsq=s, overwrite=fresh,
-                                       norm=n,
-                                       counter=_ops.borrowed_counter(self._counters, device) if fresh else None)
+                args = dict(unscale=unscale and inv is not None, sumsq=s, overwrite=fresh, norm=n,
+                            counter=_ops.borrowed_counter(self._counters, device) if fresh else None)
+                if optimizer is None or torch.compiler.is_compiling():
+                    _ops.non_finite_check_(kernel, f, inv, **args)
+                else:
+                    try:
+                        _ops.non_finite_check_(kernel, f, inv, **args)
+                    except ValueError as e:  # (refused before anything was written)
+                        raise _name_overlap(e, kernel, optimizer) from None
             for grads in other.values():
                 factor = inv if (unscale and inv is not None) else torch.ones((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, factor)
@@ -577,7 +613,7 @@ class GradScaler(torch.amp.GradScaler):
         """torch's contract (grads unscaled in place, returns {device: found_inf}, not reduced across ranks),
         with mpfused's kernel for what it takes. Every grad is validated before anything is unscaled."""
         return self._pass(self._collect(optimizer, allow_fp16)[0], inv_scale, unscale=True, sumsq=False,
-                          found_inf=found_inf)[0]
+                          found_inf=found_inf, optimizer=optimizer)[0]
 
     def _check_inf_per_device(self, optimizer) -> dict:
         """found_inf per device of the (still scaled) grads, recorded for the optimizer; no unscale."""
@@ -610,7 +646,7 @@ class GradScaler(torch.amp.GradScaler):
             inv = inv * self._clip_coef(clip["sumsq"], clip["max_norm"])
         zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         buckets, mesh = self._collect(optimizer, True)
-        found = self._pass(buckets, inv, unscale=True, sumsq=False, found_inf=zero)[0]
+        found = self._pass(buckets, inv, unscale=True, sumsq=False, found_inf=zero, optimizer=optimizer)[0]
         self._all_reduce(found, mesh)
         state["found_inf_per_device"] = found
         state["stage"] = OptState.UNSCALED

@@ -515,6 +515,15 @@ def test_a_bad_state_dict_is_refused_whole_and_the_optimizer_stays_as_it_was():
         (bad(lambda sd: sd["state"][0].__setitem__("step", "3")), r"state 'step' must be a number .* got str"),
         (bad(lambda sd: sd["state"][0].__setitem__("step", torch.zeros((), device="meta"))), r"state 'step' .* meta"),
         (bad(lambda sd: sd["state"].__setitem__(0, 7)), r"state 0 of the loaded state dict must be a dict"),
+        # tensors without dense values: torch's messages (a copy_ between dense and sparse, "Cannot copy out of
+        # meta tensor", a nested tensor's "Internal error ... doesn't support sizes") named no state
+        (bad(lambda sd: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].to_sparse())),
+         r"state 'exp_avg' of param 0 .* dense \(strided\) tensor with values, got a tensor of layout torch.sparse_coo"),
+        (bad(lambda sd: sd["state"][1].__setitem__("exp_avg_sq", torch.zeros(3, device="meta"))),
+         r"state 'exp_avg_sq' of param 1 .* got a tensor on the meta device"),
+        (bad(lambda sd: sd["state"][0].__setitem__("master_remainder", torch.nested.nested_tensor(
+            [torch.zeros(2, dtype=torch.int16), torch.zeros(2, dtype=torch.int16)], layout=torch.jagged))),
+         r"state 'master_remainder' of param 0 .* got a nested tensor"),
     ]
     for sd, match in cases:
         with pytest.raises(ValueError, match=match):

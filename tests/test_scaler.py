@@ -849,6 +849,24 @@ def test_a_param_listed_twice_in_a_torch_optimizer_is_named_before_anything_is_u
     assert p.grad.tolist() == [1.0] * 3 and q.grad.tolist() == [1.0] * 2
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-sgd", "fused-adamw"])
+def test_grads_over_the_same_memory_are_named_by_param_before_anything_is_unscaled(fused):
+    """Two params' grads that are overlapping views of one tensor: unscale_ (the kernel's own check) names
+    the two params, not the kernel's list, and leaves every grad as it was."""
+    base = torch.arange(1.0, 11.0)
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))]
+    opt = FusedAdamW(params) if fused else torch.optim.SGD([params[0], params[1]], lr=0.1)
+    if not fused:
+        opt.add_param_group(dict(params=[params[2]]))
+    params[0].grad, params[1].grad, params[2].grad = torch.ones(2), base[:6], base[4:]
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    second = "param 2 of param group 0" if fused else "param 0 of param group 1"
+    with pytest.raises(ValueError, match=f"the grads of param 1 of param group 0 and of {second} share memory"):
+        scaler.unscale_(opt)
+    assert params[0].grad.tolist() == [1.0] * 2 and torch.equal(base, torch.arange(1.0, 11.0))
+
+
 class _CountingAdamW(FusedAdamW):
     """A subclass that overrides step() with torch's signature, as training code does to log or count."""
 

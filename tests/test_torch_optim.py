@@ -97,8 +97,12 @@ def materialize(kw, device):
 
 
 def torch_kwargs(kw):
-    # torch runs its single-tensor reference: no foreach/fused/capturable choice.
+    # torch runs its single-tensor reference: no foreach/fused/capturable choice. Its betas are 0-dim tensors
+    # of the same values where ours have shape (1,): torch 2.9's reference passes beta1 to addcmul_ as a
+    # number, which a 1-element tensor is not (newer torch takes either; the arithmetic is the same).
     kw = {k: v for k, v in kw.items() if k not in ("foreach", "fused", "capturable")}
+    if isinstance(kw.get("betas", (None,))[0], torch.Tensor):
+        kw["betas"] = tuple(b.reshape(()) for b in kw["betas"])
     return dict(kw, foreach=False)
 
 

@@ -1799,6 +1799,14 @@ class FusedOptimizer(Optimizer):
                             (value is not None or key != "momentum_buffer"):
                         raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must be a tensor, "
                                          f"got {type(value).__name__} (nothing was loaded)")
+                    held = _dist.local(value) if isinstance(value, torch.Tensor) and _dist.is_dtensor(value) else value
+                    if key in tensor_keys and isinstance(held, torch.Tensor) and (
+                            held.is_nested or held.layout != torch.strided
+                            or (held.device.type == "meta" and _dist.local(param).device.type != "meta")):
+                        what = ("a nested tensor" if held.is_nested else f"a tensor of layout {held.layout}"
+                                if held.layout != torch.strided else "a tensor on the meta device, which holds no values")
+                        raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must be a dense "
+                                         f"(strided) tensor with values, got {what} (nothing was loaded)")
                     if key in tensor_keys and isinstance(value, torch.Tensor) and not _dist.is_dtensor(param) \
                             and not _dist.is_dtensor(value) and value.shape != param.shape:
                         raise ValueError(f"state {key!r} of param {k!r} of the loaded state dict must have the param's "
