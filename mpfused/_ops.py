@@ -595,7 +595,10 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     integer tensor on the CPU or a CUDA device, ``key`` a pair of words; returns the (n, 4) output words as
     int64 values in [0, 2^32), on the counters' device. For known-answer tests of both backends."""
     if not isinstance(counters, torch.Tensor):
-        counters = torch.tensor(counters, dtype=torch.int64)
+        try:  # (its own dtype: int64 for ints, where dtype=int64 truncated a float 1.5 to the word 1)
+            counters = torch.tensor(counters)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"counters must be (n, 4) integer words in [0, 2**32): {e}") from None
     if (counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex()
             or counters.dtype == torch.bool):
         raise ValueError(f"counters must be (n, 4) integer words, got {counters.dtype} of shape {tuple(counters.shape)}")

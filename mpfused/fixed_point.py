@@ -38,6 +38,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from . import _ops
 
@@ -206,6 +207,8 @@ def matmul(a_codes: torch.Tensor, b_codes: torch.Tensor, fmt_a: FormatLike, fmt_
     under torch.compile); a code beyond its format could overflow the int64 sum."""
     fa, fb, fo = _as_format(fmt_a, "fmt_a"), _as_format(fmt_b, "fmt_b"), _as_format(fmt_out, "fmt_out")
     a_codes, b_codes = _tensor(a_codes, "a_codes"), _tensor(b_codes, "b_codes")
+    if a_codes.device != b_codes.device:
+        raise ValueError(f"b_codes is on {b_codes.device} but a_codes is on {a_codes.device}: both must be on one device")
     checked = [(name, codes, f) for name, codes, f in (("a_codes", a_codes, fa), ("b_codes", b_codes, fb))
                if codes.dtype in _CODE_DTYPES and codes.numel() and codes.device.type != "meta"]
     if checked and not torch.compiler.is_compiling() and len({c.device for _, c, _ in checked}) == 1:
@@ -281,6 +284,7 @@ class _FixedPointLinearFn(torch.autograd.Function):
         return decode(yc, fmt.il, fmt.fl).to(x.dtype).reshape(*x.shape[:-1], yc.shape[-1])
 
     @staticmethod
+    @once_differentiable  # (the gradients are MACCs of codes: a second derivative through them raises, not 0)
     def backward(ctx, gy):
         xc, wc, x_clamped, y_clamped = ctx.saved_tensors
         fmt, gfmt, rounding, seed, call, has_bias, x_shape = ctx.meta
@@ -352,6 +356,9 @@ class FixedPointLinear(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
             got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"input must be a tensor of shape (..., in_features={self.in_features}), got {got}")
+        if x.device != self.weight.device:
+            raise ValueError(f"input is on {x.device} but the layer's weight is on {self.weight.device}: move one to "
+                             "the other's device")
         if x.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"input must be a float32 or float64 tensor, got {x.dtype}: the output, a value of fmt "
                              f"{self.fmt} held exactly in float32, is returned in the input's dtype, and {x.dtype} "
@@ -377,8 +384,6 @@ class FixedPointLinear(nn.Module):
     def set_extra_state(self, state):
         self.calls, self.seed = _checked_extra_state(state)
 
-
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         # An nn.Linear's state dict (a float model's weights, to train on in fixed point) has no call count and
@@ -388,8 +393,11 @@ class FixedPointLinear(nn.Module):
         key = prefix + "_extra_state"
         if key in state_dict:  # checked before anything is loaded
             _checked_extra_state(state_dict[key])
+        errors, kept = len(error_msgs), (self.calls, self.seed)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if len(error_msgs) > errors:  # load_state_dict raises: the layer's random stream stays its own (torch
+            self.calls, self.seed = kept  # has copied the tensors that fit, as nn.Linear's load does)
         if key in missing_keys and key not in state_dict:
             missing_keys.remove(key)
         assign = local_metadata.get("assign_to_params_buffers", False)

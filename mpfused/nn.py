@@ -158,37 +158,43 @@ class FusedLinear(nn.Module):
             if act == "relu":
                 return F.relu(y)
             return F.gelu(y, approximate="tanh" if act == "gelu" else "none")
-        return _linear_forward(x, self.weight, self.bias, self.activation, self.in_features, self.out_features)
+        return _linear_forward(x, self.weight, self.bias, self.activation)
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
-                    in_features: int, out_features: int) -> torch.Tensor:
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    activation: Optional[str]) -> torch.Tensor:
     """FusedLinear's forward (a function of its own, which torch.fx.symbolic_trace records as one call: its
-    branches on the input's device and dtype cannot take a traced value). A nested input takes torch's linear."""
+    branches on the input's device and dtype cannot take a traced value). As nn.Linear, the shapes are the
+    weight's (in_features and out_features are what the module was made with: code may replace the weight).
+    What the GEMM's epilogue does not take goes to torch's linear: a nested or sparse input, a weight that is
+    not a dense matrix, a bias other than one value per output (F.linear broadcasts any bias)."""
     device_type = x.device.type
-    fusable_device = device_type in ("cpu", "cuda") and not x.is_nested
+    fusable_device = (device_type in ("cpu", "cuda") and not x.is_nested and x.layout == torch.strided
+                      and weight.layout == torch.strided and weight.dim() == 2
+                      and (bias is None or (bias.layout == torch.strided and bias.shape == weight.shape[:1])))
     if fusable_device and x.is_floating_point() and torch.is_autocast_enabled(device_type) and not any(
             _ops.intercepts_dispatch(t) for t in (x, weight, bias)):
         dtype = torch.get_autocast_dtype(device_type)
         if dtype in _LOW_PRECISION and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
             with torch.autocast(device_type, enabled=False):
                 return _fused_forward(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
-                                      activation, in_features, out_features)
+                                      activation)
     if (fusable_device and x.dtype in _LOW_PRECISION and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype)
             and not any(_ops.intercepts_dispatch(t) for t in (x, weight, bias))):
-        return _fused_forward(x, weight, bias, activation, in_features, out_features)
+        return _fused_forward(x, weight, bias, activation)
     return _activate(F.linear(x, weight, bias), activation)
 
 
 torch.fx.wrap("_linear_forward")
 
 
-def _fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
-                   in_features: int, out_features: int) -> torch.Tensor:
+def _fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   activation: Optional[str]) -> torch.Tensor:
+    out_features, in_features = weight.shape
     if x.dim() == 0 or x.shape[-1] != in_features:
-        raise RuntimeError(f"FusedLinear: the input's last dim must be in_features={in_features}, got an input of "
-                           f"shape {tuple(x.shape)}")
+        raise RuntimeError(f"FusedLinear: the input's last dim must be the weight's in_features={in_features} (a "
+                           f"weight of shape {tuple(weight.shape)}), got an input of shape {tuple(x.shape)}")
     if _gemm_unsupported(x.device, x.dtype):  # BF16 on a GPU older than sm_80: torch's matmul, warned once
         return _activate(F.linear(x, weight, bias), activation)
     lead = x.shape[:-1]

@@ -348,15 +348,22 @@ class GradScaler(torch.amp.GradScaler):
         to cap or reset the scale, or a new tensor in its place) changes what unscale_ and step divide by,
         as with torch's scaler, which computes 1 / scale at each unscale_. Checked by the tensor's identity
         and version counter (no device work unless they changed; our own writes note the new version)."""
+        if not isinstance(self._scale, torch.Tensor):
+            raise ValueError(f"_scale must be a float32 tensor with one element, got {type(self._scale).__name__}")
         dev = self._scale.device
+        changed = (self._inv_scale is None or self._inv_scale.device != dev) or not torch.compiler.is_compiling() and (
+            (of := getattr(self, "_inv_of", None)) is None or of[0] is not self._scale or of[1] != self._scale._version)
+        if changed and self._scale.numel() != 1:
+            raise ValueError("_scale must be a float32 tensor with one element (a 0-d tensor, or of shape (1,) as torch's "
+                             f"older scalers made it), got a tensor of shape {tuple(self._scale.shape)}")
         if self._inv_scale is None or self._inv_scale.device != dev:
-            self._inv_scale = self._scale.double().reciprocal().float()
+            # (0-d whatever _scale's shape: torch's older scalers, and code written for them, made it of shape (1,))
+            self._inv_scale = self._scale.double().reciprocal().float().reshape(())
             self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
             self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
             self._note_scale()
-        elif not torch.compiler.is_compiling() and (
-                (of := getattr(self, "_inv_of", None)) is None or of[0] is not self._scale or of[1] != self._scale._version):
-            self._inv_scale.copy_(self._scale.double().reciprocal())
+        elif changed:
+            self._inv_scale.copy_(self._scale.double().reciprocal().reshape(()))
             self._note_scale()
         return dev
 
@@ -806,7 +813,7 @@ class GradScaler(torch.amp.GradScaler):
                 _scale.copy_(new_scale.reshape(()))
             else:
                 _scale.fill_(_check_scale("new_scale", new_scale))
-            self._inv_scale.copy_(_scale.double().reciprocal())
+            self._inv_scale.copy_(_scale.double().reciprocal().reshape(()))
             self._note_scale()
         else:
             found = [copy_to(f, home) for s in self._per_optimizer_states.values()

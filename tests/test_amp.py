@@ -672,6 +672,39 @@ def test_unsupported_optimizer_for_o2_raises_and_changes_nothing(device):
     assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
 
 
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_what_the_fused_step_would_refuse_is_refused_before_anything_changes(device, level):
+    """A torch optimizer that a fused one cannot continue (a complex param: torch's Adam steps it; a group's
+    hyperparameter set after construction, which torch never checks): refused by initialize, where the fused
+    step refused it only after the model was cast and the torch optimizer replaced."""
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.w = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (self.lin(x) * (self.w * self.w.conj()).real).sum()
+
+    model = Complex().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="param 0 of param group 0: .* got torch.complex64"):
+        amp.initialize(model, opt, level)
+    assert model.lin.weight.dtype == torch.float32 and amp.properties(model) is None
+    model(torch.randn(3, 4, device=device)).backward()
+    opt.step()  # still torch's, still stepping
+    for key, value, match in [("lr", -1.0, "Invalid learning rate: -1.0"), ("betas", (1.5, 0.9), "Invalid beta"),
+                              ("weight_decay", float("nan"), "Invalid weight_decay value: nan")]:
+        model = net(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=match):
+            amp.initialize(model, opt, level)
+        assert all(p.dtype == torch.float32 for p in model.parameters()) and amp.properties(model) is None
+        opt.param_groups[0][key] = dict(lr=0.1, betas=(0.9, 0.999), weight_decay=0.01)[key]
+        opt.step()
+
+
 def test_optimizer_over_foreign_params_raises(device):
     model = net(device)
     stranger = nn.Parameter(torch.zeros(3, device=device))

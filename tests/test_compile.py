@@ -451,7 +451,9 @@ def test_compiled_iteration_matches_eager(device, case, backend):
 
 def test_iteration_has_no_graph_break(device):
     """None with trace_autograd_ops; on a torch without it, one: backward(), which dynamo does not trace there
-    (the scaler's scale, clip, step and update, before and after it, break nothing)."""
+    (the scaler's scale, clip, step and update, before and after it, break nothing). There explain() also
+    counts the graphs of the layers' backward (torch 2.9.1: four graphs), which are not breaks: the check is
+    on the reasons."""
     _, opt, _, iteration = make_iteration("fp16-adamw-masters-clip", device)
     x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
     with backward_in_graph():
@@ -459,8 +461,8 @@ def test_iteration_has_no_graph_break(device):
     if TRACES_BACKWARD:
         assert explained.graph_break_count == 0
     else:
-        assert explained.graph_break_count == 1, explained.break_reasons
-        assert "backward" in str(explained.break_reasons[0]), explained.break_reasons
+        assert len(explained.break_reasons) == 1, explained.break_reasons
+        assert "Tensor.backward()" in explained.break_reasons[0].reason, explained.break_reasons
 
 
 def test_a_disabled_scaler_iteration_compiles_whole(device):

@@ -453,6 +453,17 @@ def test_linear_takes_float32_and_float64_inputs_only():
     assert layer.calls == 3  # (a refused input is not a call)
 
 
+def test_inputs_on_another_device_are_named():
+    """The operator's message named its own arguments (b and a); these name the layer's input and matmul's."""
+    layer = fxp.FixedPointLinear(4, 3, (4, 8))
+    with pytest.raises(ValueError, match="input is on meta but the layer's weight is on cpu"):
+        layer(torch.randn(2, 4, device="meta"))
+    a = torch.zeros(2, 2, dtype=torch.int16)
+    with pytest.raises(ValueError, match="b_codes is on cpu but a_codes is on meta"):
+        fxp.matmul(a.to("meta"), a, (4, 4), (4, 4), (4, 4))
+    assert layer.calls == 0
+
+
 @pytest.mark.parametrize("key, bad", [("rounding", "up"), ("fmt", (0, 4)), ("lr", "x"), ("lr", float("nan")),
                                       ("seed", 1.5), ("momentum", 1.0)])
 def test_sgd_checks_every_group_before_writing_any(key, bad):
@@ -945,6 +956,28 @@ def test_a_saved_state_with_a_bad_count_or_seed_is_refused_before_loading(bad):
     with pytest.raises((ValueError, TypeError)):
         layer.load_state_dict(sd)
     assert torch.equal(layer.weight, before) and layer.calls == 0
+
+
+def test_a_load_that_fails_on_a_tensor_keeps_the_call_count_and_seed():
+    """torch's load copies what fits and then raises for a size mismatch; the saved count and seed were taken
+    too, so the layer drew another stream's bits after the failed load."""
+    layer = fxp.FixedPointLinear(4, 3, (4, 8), seed=11)
+    layer(torch.randn(2, 4))
+    sd = dict(layer.state_dict(), weight=torch.zeros(3, 5), _extra_state=dict(calls=7, seed=9))
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        layer.load_state_dict(sd)
+    assert (layer.calls, layer.seed) == (1, 11)
+
+
+def test_linear_refuses_a_second_derivative():
+    """The backward's gradients are MACCs of codes, with no derivative of their own: a gradient penalty through
+    it (create_graph=True) raises, where the penalty's term of the weight gradient was dropped in silence."""
+    layer = fxp.FixedPointLinear(4, 3, (8, 8), rounding="nearest")
+    x = torch.randn(2, 4, requires_grad=True)
+    y = layer(x)
+    gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (y.sum() + gx.square().sum()).backward()
 
 
 def test_weights_of_another_format_are_loaded_onto_this_layers_grid():

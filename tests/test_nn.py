@@ -492,6 +492,37 @@ def test_fx_symbolic_trace_takes_a_converted_model():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_replaced_weight_or_bias_and_a_sparse_input_work_as_in_nn_linear(device, dtype):
+    """nn.Linear computes with its weight's shapes, not in_features/out_features (code replaces a weight when
+    it prunes or grows a layer), broadcasts any bias F.linear takes, and takes a sparse input; the fused path
+    refused all three (one with the GEMM's operand name). Small integers: every product and sum is exact, so
+    both layers give the same bits."""
+    def ints(*shape):
+        return torch.randint(-3, 4, shape, device=device).to(dtype)
+
+    ref = nn.Linear(4, 3, device=device, dtype=dtype)
+    fused = FusedLinear(4, 3, device=device, dtype=dtype)
+    for w, b in [((3, 6), None), ((5, 6), (5,)), ((3, 4), (1,))]:
+        weight, bias = ints(*w), None if b is None else ints(*b)
+        for layer in (ref, fused):
+            layer.weight = nn.Parameter(weight.clone())
+            layer.bias = None if bias is None else nn.Parameter(bias.clone())
+        x = ints(2, 7, w[1]).requires_grad_()
+        outs = [layer(x) for layer in (ref, fused)]
+        assert torch.equal(outs[0], outs[1]), (w, b)
+        grads = [torch.autograd.grad(y.sum(), [x] + list(layer.parameters())) for y, layer in zip(outs, (ref, fused))]
+        assert all(torch.equal(g, h) for g, h in zip(*grads)), (w, b)
+    bias = ints(3)  # (the fused path's own shapes again)
+    ref.bias, fused.bias = nn.Parameter(bias.clone()), nn.Parameter(bias.clone())
+    with pytest.raises(RuntimeError, match=r"the weight's in_features=4 \(a weight of shape \(3, 4\)\), got an input of "
+                                           r"shape \(2, 6\)"):
+        fused(ints(2, 6))
+    if device == "cpu":  # (sparse FP16/BF16 matmuls are CPU-only in torch)
+        x = ints(2, 4).to_sparse()
+        assert torch.equal(fused(x), ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_nested_input_takes_torchs_linear(dtype):
     """A strided nested tensor has no single shape: the fused path raised torch's internal error; it takes
     torch's linear, as nn.Linear does."""

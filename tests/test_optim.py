@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mpfused
-from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD
+from mpfused.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedSGD
 from conftest import requires_cuda
 from tolerances import (OPTIM_FP32_ATOL, OPTIM_LOSS_RTOL, OPTIM_LOWP_MAX_ULP, OPTIM_LOWP_MISMATCH_FRACTION)
 
@@ -515,6 +515,9 @@ def test_a_bad_state_dict_is_refused_whole_and_the_optimizer_stays_as_it_was():
         (bad(lambda sd: sd["state"][0].__setitem__("step", "3")), r"state 'step' must be a number .* got str"),
         (bad(lambda sd: sd["state"][0].__setitem__("step", torch.zeros((), device="meta"))), r"state 'step' .* meta"),
         (bad(lambda sd: sd["state"].__setitem__(0, 7)), r"state 0 of the loaded state dict must be a dict"),
+        # a hyperparameter the step refuses (torch's load takes any value; the next step raised)
+        (bad(lambda sd: sd["param_groups"][0].__setitem__("lr", -1.0)), r"Invalid learning rate: -1.0 \(param group 0"),
+        (bad(lambda sd: sd["param_groups"][0].__setitem__("betas", (0.9, 1.5))), r"Invalid beta parameter at index 1"),
         # tensors without dense values: torch's messages (a copy_ between dense and sparse, "Cannot copy out of
         # meta tensor", a nested tensor's "Internal error ... doesn't support sizes") named no state
         (bad(lambda sd: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].to_sparse())),
@@ -743,22 +746,38 @@ def test_bad_params_and_grads_raise_before_anything_is_written():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
     cases.append(([emb.weight], "sparse gradients"))
-    c = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
-    c.grad = torch.randn(3, dtype=torch.complex64)
-    cases.append(([c], "float32/float16/bfloat16"))
-    d = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
-    d.grad = torch.randn(3, dtype=torch.float64)
-    cases.append(([d], "float32/float16/bfloat16|not supported"))
+    # a param whose dtype changed after the optimizer took it (the constructor refuses one: below)
+    for dtype in (torch.complex64, torch.float64):
+        c = torch.nn.Parameter(torch.randn(3))
+        c.data = torch.randn(3, dtype=dtype)
+        c.grad = torch.randn(3, dtype=dtype)
+        cases.append(([c], "float32/float16/bfloat16|not supported"))
     nc = torch.nn.Parameter(torch.randn(4, 12)[:, ::2])  # a gap every other element: not dense
     nc.grad = torch.randn(4, 6)
     cases.append(([nc], "must be dense"))
     for bad, message in cases:
         good.grad = torch.ones_like(good)
-        opt = FusedAdamW([good] + bad)
+        opt = FusedAdamW([good] + [torch.nn.Parameter(torch.randn(3))])
+        opt.param_groups[0]["params"][1:] = bad  # (past the constructor's checks)
         before = good.detach().clone()
         with pytest.raises(ValueError, match=message):
             opt.step()
         assert torch.equal(good, before) and not opt.state[good]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64, torch.int64])
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD, FusedLion, FusedLAMB])
+def test_a_param_of_a_dtype_the_step_cannot_update_is_refused_by_the_constructor(cls, dtype):
+    """Refused when the optimizer is made (or a group added), naming it: the step refused it only later, after
+    amp.initialize had replaced the torch optimizer that could update it (torch's Adam steps complex params)."""
+    good = torch.nn.Parameter(torch.randn(3))
+    bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype), requires_grad=dtype.is_floating_point or dtype.is_complex)
+    with pytest.raises(ValueError, match=f"param 1 of param group 0: .* float32/float16/bfloat16 params, got {dtype}"):
+        cls([good, bad], lr=0.1)
+    opt = cls([good], lr=0.1)
+    with pytest.raises(ValueError, match=f"param 0 of param group 1: .* got {dtype}"):
+        opt.add_param_group(dict(params=[bad]))
+    assert len(opt.param_groups) == 1
 
 
 def adam_kernel(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, found_inf=None,

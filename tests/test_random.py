@@ -363,6 +363,17 @@ def test_philox_counters_on_meta_are_refused_by_name():
         mpfused.random.philox4x32_10(torch.zeros(2, 4, dtype=torch.int64, device="meta"), (0, 0))
 
 
+def test_philox_counters_given_as_lists_are_words_or_refused():
+    """A list's 1.5 was truncated to the word 1 (the list became an int64 tensor), where a float tensor is
+    refused; a value past int64 gave torch's "Overflow when unpacking long"."""
+    words = mpfused.random.philox4x32_10([[1, 2, 3, 4]], (0, 0))
+    assert torch.equal(words, mpfused.random.philox4x32_10(torch.tensor([[1, 2, 3, 4]]), (0, 0)))
+    for bad, match in [([[1.5, 2, 3, 4]], "integer words, got torch.float32"), ([[1, 2, 3, 2**70]], "Overflow"),
+                       ([[1, 2, 3, "4"]], r"words in \[0, 2\*\*32\)"), ([[1, 2, 3, 2**32]], r"words in \[0, 2\*\*32\)")]:
+        with pytest.raises(ValueError, match=match):
+            mpfused.random.philox4x32_10(bad, (0, 0))
+
+
 def test_philox_takes_uint32_counters():
     """uint32 is the natural dtype of Philox words: the range check raised NotImplementedError ('lt_cpu' not
     implemented for 'UInt32')."""

@@ -333,10 +333,12 @@ def test_numbers_torch_takes_are_taken(device):
 
 
 @pytest.mark.parametrize("cls", [torch.optim.SGD, FusedSGD])
-@pytest.mark.parametrize("write", ["fill_", "new tensor"])
+@pytest.mark.parametrize("write", ["fill_", "new tensor", "new tensors of shape (1,)"])
 def test_a_scale_written_from_outside_is_the_one_unscaled_by(device, cls, write):
     """Code that writes ``_scale`` (a cap, a reset after NaNs: ``scaler._scale.fill_(s)``) changes what the
-    gradients are divided by, as with torch's scaler; both scalers must leave the same grads and params."""
+    gradients are divided by, as with torch's scaler; both scalers must leave the same grads and params.
+    Also with a scale and growth tracker of shape (1,), as torch's older scalers made them (the next scale()
+    raised a broadcast error)."""
     results = []
     for scaler_cls in (torch.amp.GradScaler, mpfused.GradScaler):
         p = torch.nn.Parameter(torch.ones(3, device=device))
@@ -348,16 +350,27 @@ def test_a_scale_written_from_outside_is_the_one_unscaled_by(device, cls, write)
             if it == 1:
                 if write == "fill_":
                     scaler._scale.fill_(8.0)
-                else:
+                elif write == "new tensor":
                     scaler._scale = torch.full((), 8.0, device=device)
+                else:
+                    scaler._scale = torch.full((1,), 8.0, device=device)
+                    scaler._growth_tracker = torch.full((1,), 1, dtype=torch.int32, device=device)
             scaler.scale((p * torch.tensor([1.0, 2.0, 3.0], device=device)).sum()).backward()
             scaler.unscale_(opt)
             grads.append(p.grad.tolist())
             scaler.step(opt)
             scaler.update()
-        results.append((grads, p.tolist(), scaler.get_scale()))
+        results.append((grads, p.tolist(), scaler.get_scale(), scaler.state_dict()["_growth_tracker"]))
     assert results[0] == results[1]
     assert results[1][0] == [[1.0, 2.0, 3.0]] * 3
+
+
+def test_a_scale_tensor_without_one_element_is_named():
+    scaler = mpfused.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    scaler._scale = torch.full((2,), 8.0)
+    with pytest.raises(ValueError, match=r"_scale must be a float32 tensor with one element .* got a tensor of shape \(2,\)"):
+        scaler.scale(torch.ones(()))
 
 
 def test_unscale_after_clip_grad_norm_works_with_every_optimizer(device):

@@ -4,6 +4,7 @@ add_param_group, deepcopy/pickle, printing), each run on torch's optimizer and o
 
 import copy
 import io
+import math
 import pickle
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
+import mpfused
 from mpfused.optim import FusedAdam, FusedAdamW, FusedSGD, StepScaling
 from conftest import DEVICES, cuda_skip_reason, requires_cuda
 from tolerances import OPTIM_FP32_ATOL
@@ -285,6 +287,32 @@ def test_step_hooks_order_global_hooks_and_replaced_arguments(which, name):
     opt.register_step_pre_hook(lambda o, a, k: "not a pair")
     with pytest.raises(RuntimeError, match="must return None or a tuple of"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_step_hooks_see_the_arguments_torchs_scaler_passes(name):
+    """mpfused.GradScaler hands its scale and flag to a fused step as ``scaling=``; the step hooks saw it, where
+    torch's scaler, stepping torch's fused optimizers, passes no argument (it sets attributes). A hook that
+    forwards its kwargs to another optimizer's step then failed. The step itself still gets it: an overflowing
+    iteration is skipped (inside the step, which both fused optimizers take every iteration)."""
+    results = []
+    for scaler_cls, which in ((torch.amp.GradScaler, 1), (mpfused.GradScaler, 0)):
+        p = make_params()
+        opt = build(which, name, p, **({"fused": True} if which else {}))
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", a[1:], dict(k))))
+        opt.register_step_post_hook(lambda o, a, k: seen.append(("post", a[1:], dict(k))))
+        scaler = scaler_cls("cpu", init_scale=4.0)
+        for poison in (1.0, math.inf):
+            opt.zero_grad()
+            scaler.scale(sum((q * poison).sum() for q in p)).backward()
+            scaler.step(opt)
+            scaler.update()
+        results.append((seen, [q.detach().clone() for q in p], scaler.get_scale()))
+    assert results[1][0] == results[0][0] == [("pre", (), {}), ("post", (), {})] * 2
+    assert results[1][2] == results[0][2] == 2.0  # the second iteration overflowed and backed off
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=OPTIM_FP32_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("which,name", BOTH)
@@ -773,14 +801,15 @@ def test_an_invalid_later_group_fails_the_step_before_anything_is_written(name, 
 
 def test_a_bad_param_is_named_by_its_index_in_the_groups_params_list():
     p = make_params()
-    bad = torch.zeros(3, dtype=torch.float64, requires_grad=True)
-    bad.grad = torch.ones(3, dtype=torch.float64)
+    bad = torch.zeros(3, requires_grad=True)
     opt = FusedAdam([dict(params=p[:2]), dict(params=[bad])])
+    opt2 = FusedAdam([dict(params=[p[2], bad])])
+    bad.data = bad.data.double()  # (after the constructors, which refuse a float64 param)
+    bad.grad = torch.ones(3, dtype=torch.float64)
     fill_grads(p[:2], 0)
     with pytest.raises(ValueError, match="param 0 of param group 1"):
         opt.step()
     # The index counts every param of the group, those without grads too.
-    opt2 = FusedAdam([dict(params=[p[2], bad])])
     with pytest.raises(ValueError, match="param 1 of param group 0"):
         opt2.step()
     assert len(opt.state) == 0 and len(opt2.state) == 0

@@ -790,6 +790,7 @@ def _cupti_monitor_on() -> bool:
 
 # The (thread, optimizer) pairs inside a step() wrapper (FusedOptimizer.profile_hook_step).
 _IN_STEP: set = set()
+_NO_ARG = object()  # (a keyword argument not given)
 
 
 class FusedOptimizer(Optimizer):
@@ -885,6 +886,9 @@ class FusedOptimizer(Optimizer):
             if key in _IN_STEP:  # (inside the wrapper of a subclass's step)
                 return func(*args, **kwargs)
             _IN_STEP.add(key)
+            # mpfused.GradScaler's hand-over (scaling=) is not the caller's argument: the hooks see what torch's
+            # scaler would have passed them (torch's sets attributes on the optimizer instead)
+            scaling = kwargs.pop("scaling", _NO_ARG)
             try:
                 with _profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
                     if _global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
@@ -897,7 +901,9 @@ class FusedOptimizer(Optimizer):
                                 else:
                                     raise RuntimeError(f"{func} must return None or a tuple of (new_args, "
                                                        f"new_kwargs), but got {result}.")
-                    out = func(*args, **kwargs)
+                    # (a pre-hook's new kwargs may hold a scaling of their own: that one is taken)
+                    out = func(*args, **(kwargs if scaling is _NO_ARG or "scaling" in kwargs
+                                         else dict(kwargs, scaling=scaling)))
                     self._optimizer_step_code()
                     if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:
                         for post_hook in chain(self._optimizer_step_post_hooks.values(),
@@ -952,6 +958,10 @@ class FusedOptimizer(Optimizer):
                 seen[id(p)] = i
             self._check_no_overlap(index)
             self._check_kinds(group, f" (param group {index})")
+            for i, p in enumerate(group["params"]):  # (the step checks again: a param's dtype may change after this)
+                if p.dtype not in SUPPORTED_DTYPES:
+                    raise ValueError(f"param {i} of param group {index}: the fused optimizers update float32/float16/"
+                                     f"bfloat16 params, got {p.dtype}")
             check_precision(group, f" (param group {index})")
             for i, p in enumerate(group["params"]):
                 check_remainder_dtype(group, f" of param group {index}", i, p)
@@ -1830,6 +1840,7 @@ class FusedOptimizer(Optimizer):
         for gi, ng in enumerate(new_groups):
             where = f" (param group {gi} of the loaded state dict; nothing was loaded)"
             check_precision(ng, where)
+            self._check_group(ng, where)  # (torch's load takes any value; our step refused it, amp had cast the model)
             for i, p in enumerate(ng["params"]):
                 check_remainder_dtype(ng, f" of param group {gi} of the loaded state dict (nothing was loaded)", i, p)
         # From here the loaded state is checked as a step would use it (_after_load: shapes, dtypes, devices,
