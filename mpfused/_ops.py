@@ -595,8 +595,14 @@ def philox4x32_10(counters, key) -> torch.Tensor:
     integer tensor on the CPU or a CUDA device, ``key`` a pair of words; returns the (n, 4) output words as
     int64 values in [0, 2^32), on the counters' device. For known-answer tests of both backends."""
     if not isinstance(counters, torch.Tensor):
-        try:  # (its own dtype: int64 for ints, where dtype=int64 truncated a float 1.5 to the word 1)
-            counters = torch.tensor(counters)
+        try:  # (the values' own type first: converted to int64 straight away, a float 1.5 became the word 1)
+            own = torch.as_tensor(counters)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            own = None  # (e.g. numpy uint64 beside Python ints, which torch does not promote)
+        if own is not None and own.numel() and (own.is_floating_point() or own.is_complex()):
+            raise ValueError(f"counters must be (n, 4) integer words, got {own.dtype} values")
+        try:
+            counters = torch.tensor(counters, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise ValueError(f"counters must be (n, 4) integer words in [0, 2**32): {e}") from None
     if (counters.dim() != 2 or counters.shape[1] != 4 or counters.is_floating_point() or counters.is_complex()

@@ -101,25 +101,30 @@ def _name_overlap(error: ValueError, kernel: list, optimizer) -> ValueError:
     if m is None:
         return error
 
-    def name(t: torch.Tensor) -> Optional[str]:
+    def find(t: torch.Tensor, after: tuple = (-1, -1)) -> Optional[tuple]:
+        """The first (group, param) past ``after`` whose grad the kernel took as ``t`` (the kernel's list is in
+        the params' order, so the later of the two tensors belongs to a later param)."""
         for gi, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 grad = param.grad
-                if grad is None:
+                if grad is None or (gi, i) <= after:
                     continue
                 if type(grad) not in _PLAIN and _dist.is_dtensor(grad):
                     grad = _dist.local(grad)
                 if grad.is_sparse:
                     grad = grad._values()
                 if grad.layout == torch.strided and grad.data_ptr() == t.data_ptr() and grad.numel() == t.numel():
-                    return f"param {i} of param group {gi}"
+                    return gi, i
         return None
 
-    first, second = (name(kernel[int(j)]) for j in sorted(m.groups(), key=int))
-    if first is None or second is None:
+    a, b = sorted((int(j) for j in m.groups()))
+    first = find(kernel[a])
+    second = None if first is None else find(kernel[b], first)
+    if second is None:
         return error
-    return ValueError(f"the grads of {first} and of {second} share memory: an in-place unscale would unscale "
-                      "the shared elements twice; give each param a grad of its own (e.g. .clone())")
+    return ValueError(f"the grads of param {first[1]} of param group {first[0]} and of param {second[1]} of param "
+                      f"group {second[0]} share memory: an in-place unscale would unscale the shared elements twice; "
+                      "give each param a grad of its own (e.g. .clone())")
 
 
 def _number(name: str, value, what: str) -> float:
@@ -349,12 +354,12 @@ class GradScaler(torch.amp.GradScaler):
         as with torch's scaler, which computes 1 / scale at each unscale_. Checked by the tensor's identity
         and version counter (no device work unless they changed; our own writes note the new version)."""
         if not isinstance(self._scale, torch.Tensor):
-            raise ValueError(f"_scale must be a float32 tensor with one element, got {type(self._scale).__name__}")
+            raise ValueError(f"_scale must be a tensor with one element, got {type(self._scale).__name__}")
         dev = self._scale.device
         changed = (self._inv_scale is None or self._inv_scale.device != dev) or not torch.compiler.is_compiling() and (
             (of := getattr(self, "_inv_of", None)) is None or of[0] is not self._scale or of[1] != self._scale._version)
         if changed and self._scale.numel() != 1:
-            raise ValueError("_scale must be a float32 tensor with one element (a 0-d tensor, or of shape (1,) as torch's "
+            raise ValueError("_scale must be a tensor with one element (a 0-d tensor, or of shape (1,) as torch's "
                              f"older scalers made it), got a tensor of shape {tuple(self._scale.shape)}")
         if self._inv_scale is None or self._inv_scale.device != dev:
             # (0-d whatever _scale's shape: torch's older scalers, and code written for them, made it of shape (1,))

@@ -543,6 +543,25 @@ def test_a_bad_state_dict_is_refused_whole_and_the_optimizer_stays_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"]))
 
 
+def test_a_state_dict_that_a_scheduler_left_with_a_float_beside_a_tensor_beta_loads():
+    """OneCycleLR writes a float beta1 beside a tensor beta2; the step takes that, so the load must too (its
+    hyperparameter check is the step's, not the constructor's both-or-neither rule)."""
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdamW([p], betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    p.grad = torch.ones(4)
+    opt.step()
+    sched.step()
+    assert isinstance(opt.param_groups[0]["betas"][0], float)
+    twin = FusedAdamW([q], betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    twin.load_state_dict(opt.state_dict())
+    q.data.copy_(p.detach())
+    p.grad, q.grad = torch.full((4,), 0.5), torch.full((4,), 0.5)
+    opt.step()
+    twin.step()
+    assert torch.equal(p, q)
+
+
 def test_a_failure_after_the_state_is_installed_puts_the_optimizer_back(monkeypatch):
     """What only the installed state can tell (here: _after_load raising) restores the groups and state."""
     p = torch.nn.Parameter(torch.ones(3))
@@ -765,19 +784,26 @@ def test_bad_params_and_grads_raise_before_anything_is_written():
         assert torch.equal(good, before) and not opt.state[good]
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD, FusedLion, FusedLAMB])
 def test_a_param_of_a_dtype_the_step_cannot_update_is_refused_by_the_constructor(cls, dtype):
     """Refused when the optimizer is made (or a group added), naming it: the step refused it only later, after
-    amp.initialize had replaced the torch optimizer that could update it (torch's Adam steps complex params)."""
+    amp.initialize had replaced the torch optimizer that could update it (torch's Adam steps complex params).
+    A frozen one (a complex rotary table kept as a Parameter, an int64 one) is taken: the step skips it."""
     good = torch.nn.Parameter(torch.randn(3))
-    bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype), requires_grad=dtype.is_floating_point or dtype.is_complex)
+    bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
     with pytest.raises(ValueError, match=f"param 1 of param group 0: .* float32/float16/bfloat16 params, got {dtype}"):
         cls([good, bad], lr=0.1)
     opt = cls([good], lr=0.1)
     with pytest.raises(ValueError, match=f"param 0 of param group 1: .* got {dtype}"):
         opt.add_param_group(dict(params=[bad]))
     assert len(opt.param_groups) == 1
+    frozen = [torch.nn.Parameter(torch.zeros(3, dtype=d), requires_grad=False) for d in (dtype, torch.int64)]
+    opt = cls([good] + frozen, lr=0.1)
+    good.grad = torch.ones(3)
+    before = good.detach().clone()
+    opt.step()
+    assert not torch.equal(good, before) and all(torch.equal(f, torch.zeros(3, dtype=f.dtype)) for f in frozen)
 
 
 def adam_kernel(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, found_inf=None,

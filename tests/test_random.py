@@ -368,6 +368,9 @@ def test_philox_counters_given_as_lists_are_words_or_refused():
     refused; a value past int64 gave torch's "Overflow when unpacking long"."""
     words = mpfused.random.philox4x32_10([[1, 2, 3, 4]], (0, 0))
     assert torch.equal(words, mpfused.random.philox4x32_10(torch.tensor([[1, 2, 3, 4]]), (0, 0)))
+    np = pytest.importorskip("numpy")
+    for good in (np.array([[1, 2, 3, 4]], dtype=np.uint64), [[np.uint64(1), 2, 3, 4]], [[np.int32(1), 2, 3, 4]]):
+        assert torch.equal(mpfused.random.philox4x32_10(good, (0, 0)), words)
     for bad, match in [([[1.5, 2, 3, 4]], "integer words, got torch.float32"), ([[1, 2, 3, 2**70]], "Overflow"),
                        ([[1, 2, 3, "4"]], r"words in \[0, 2\*\*32\)"), ([[1, 2, 3, 2**32]], r"words in \[0, 2\*\*32\)")]:
         with pytest.raises(ValueError, match=match):

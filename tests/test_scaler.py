@@ -369,7 +369,7 @@ def test_a_scale_tensor_without_one_element_is_named():
     scaler = mpfused.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
     scaler._scale = torch.full((2,), 8.0)
-    with pytest.raises(ValueError, match=r"_scale must be a float32 tensor with one element .* got a tensor of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"_scale must be a tensor with one element .* got a tensor of shape \(2,\)"):
         scaler.scale(torch.ones(()))
 
 
@@ -878,6 +878,12 @@ def test_grads_over_the_same_memory_are_named_by_param_before_anything_is_unscal
     with pytest.raises(ValueError, match=f"the grads of param 1 of param group 0 and of {second} share memory"):
         scaler.unscale_(opt)
     assert params[0].grad.tolist() == [1.0] * 2 and torch.equal(base, torch.arange(1.0, 11.0))
+    # two views that start at the same address: two params named, not one twice
+    square = torch.arange(1.0, 5.0).reshape(2, 2)
+    pair = [torch.nn.Parameter(torch.ones(2, 2)) for _ in range(2)]
+    pair[0].grad, pair[1].grad = square, square.t()
+    with pytest.raises(ValueError, match="the grads of param 0 of param group 0 and of param 1 of param group 0 share"):
+        scaler.unscale_(torch.optim.SGD(pair, lr=0.1))
 
 
 class _CountingAdamW(FusedAdamW):

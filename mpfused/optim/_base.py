@@ -958,8 +958,10 @@ class FusedOptimizer(Optimizer):
                 seen[id(p)] = i
             self._check_no_overlap(index)
             self._check_kinds(group, f" (param group {index})")
-            for i, p in enumerate(group["params"]):  # (the step checks again: a param's dtype may change after this)
-                if p.dtype not in SUPPORTED_DTYPES:
+            # A param the step would refuse (the step checks again: a dtype or requires_grad may change after
+            # this); a frozen one of another dtype (a complex rotary table) is the step's to skip
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and p.dtype not in SUPPORTED_DTYPES:
                     raise ValueError(f"param {i} of param group {index}: the fused optimizers update float32/float16/"
                                      f"bfloat16 params, got {p.dtype}")
             check_precision(group, f" (param group {index})")
@@ -1840,7 +1842,9 @@ class FusedOptimizer(Optimizer):
         for gi, ng in enumerate(new_groups):
             where = f" (param group {gi} of the loaded state dict; nothing was loaded)"
             check_precision(ng, where)
-            self._check_group(ng, where)  # (torch's load takes any value; our step refused it, amp had cast the model)
+            # what the step would refuse, no more (in_step: a scheduler's float beside a tensor beta is taken; a
+            # device value is not read): torch's load takes any value, and our step then refused it
+            self._check_group(ng, where, in_step=True)
             for i, p in enumerate(ng["params"]):
                 check_remainder_dtype(ng, f" of param group {gi} of the loaded state dict (nothing was loaded)", i, p)
         # From here the loaded state is checked as a step would use it (_after_load: shapes, dtypes, devices,
