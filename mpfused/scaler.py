@@ -42,7 +42,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _dist, _ops
-from ._layout import flat, is_dense
+from ._layout import dense_grad, flat
 from .optim._base import FusedOptimizer, StepScaling, copy_to, switch
 
 __all__ = ["GradScaler"]
@@ -89,7 +89,7 @@ def _kernel_view(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if t.device.type != "cpu" and not (t.device.type == "cuda" and _CUDA_KERNELS):
         return None
-    if t.is_contiguous() or is_dense(t):  # e.g. channels_last: the check and the unscale are element-wise
+    if dense_grad(t):  # e.g. channels_last: the check and the unscale are element-wise
         return flat(t)
     return None
 
@@ -470,7 +470,9 @@ class GradScaler(torch.amp.GradScaler):
                     if view is not None:
                         kernel.append(view)
                     else:
-                        if grad.layout == torch.strided and torch._debug_has_internal_overlap(grad) == 1:
+                        # (not under torch.compile, which cannot trace the query: there torch's op raises)
+                        if (grad.layout == torch.strided and not torch.compiler.is_compiling()
+                                and torch._debug_has_internal_overlap(grad) == 1):
                             # torch's op raises for it, but only once the grads before it were unscaled
                             raise RuntimeError(f"param {i} of param group {gi}: its grad has elements that share "
                                                "memory (an expand()ed tensor), which an in-place unscale cannot "
@@ -692,7 +694,8 @@ class GradScaler(torch.amp.GradScaler):
         (torch.nn.utils.clip_grad_norm_, or with a process_group a global 2-norm clip).
 
         ``max_norm``: a number >= 0 (``inf``: the norm alone, no clip, as torch's), or a one-element CPU
-        tensor; NaN and negative values, which torch takes into NaN or sign-flipped grads, raise.
+        tensor, read on the host (under torch.compile with fullgraph=True, pass a number); NaN and negative
+        values, which torch takes into NaN or sign-flipped grads, raise.
         ``error_if_nonfinite`` and ``foreach`` as torch's (the first reads the norm on the host: a sync, as
         in torch; the second only matters where torch's clip runs).
         """

@@ -15,6 +15,7 @@ masters, optimizer state, grad norms, the scale and the skipped steps) bit for b
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import pytest
@@ -447,6 +448,70 @@ def test_compiled_iteration_matches_eager(device, case, backend):
     assert torch.equal(bits(eager["norms"]), bits(compiled["norms"]))  # bits: NaN norms of skipped steps too
     if backend == "aot_eager":
         assert torch.equal(bits(eager["losses"]), bits(compiled["losses"]))
+
+
+def _grads_in(kind: str, shapes, dtype, device, seed: int):
+    """Grads that are views: of one flat buffer (DDP's gradient_as_bucket_view, Megatron's contiguous grad
+    buffer), or transposed."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bucket":
+        buf = (torch.randn(sum(math.prod(s) for s in shapes), generator=g) * 4).to(device, dtype)
+        out, at = [], 0
+        for s in shapes:
+            out.append(buf[at:at + math.prod(s)].view(s))
+            at += math.prod(s)
+        return out
+    return [(torch.randn(s[::-1], generator=g) * 4).to(device, dtype).t() if len(s) == 2 else
+            (torch.randn(s, generator=g) * 4).to(device, dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("mode", ["step", "clip-step", "unscale"])
+@pytest.mark.parametrize("kind", ["bucket", "transposed"])
+@pytest.mark.parametrize("cls", [mo.FusedAdamW, mo.FusedLAMB])
+def test_grads_that_are_views_compile_as_in_eager(device, cls, kind, mode):
+    """dynamo (torch 2.13) fails on stride() and storage_offset() of a ``.grad`` that is a view of part of a
+    buffer, or transposed ("Cannot construct ConstantVariable for value of type SymInt"): a compiled step or
+    scaler call raised for DDP's bucket-view grads, where eager ran (and torch's own compiled AdamW runs).
+    Compiled with fullgraph=True, equal to eager bit for bit: params, masters, state, and the grads
+    unscale_ writes."""
+    shapes = [(5, 6), (10,)]
+
+    def run(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s).to(device, torch.float16)) for s in shapes]
+        opt = cls(params, lr=1e-2)
+        scaler = mpfused.GradScaler(device, init_scale=4.0)
+
+        def iteration():
+            if mode == "step":
+                opt.step()
+            elif mode == "clip-step":
+                norm = scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+                return norm
+            else:
+                scaler.unscale_(opt)
+
+        fn = torch.compile(iteration, backend="aot_eager", fullgraph=True) if compiled else iteration
+        out = []
+        for s in range(3):
+            scaler.scale(torch.ones((), device=device))
+            for p, g in zip(params, _grads_in(kind, shapes, torch.float16, device, s)):
+                p.grad = g
+            out.append(fn())
+            if mode == "unscale":
+                out.append([p.grad.clone() for p in params])
+                scaler.step(opt)
+                scaler.update()
+        return snapshot(opt, params), out
+
+    eager, compiled = run(False), run(True)
+    assert_same(eager[0], compiled[0])
+    for a, b in zip(eager[1], compiled[1]):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            assert (x is None and y is None) or torch.equal(bits(x), bits(y))
 
 
 def test_iteration_has_no_graph_break(device):

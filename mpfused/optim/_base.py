@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import _dist, _ops
-from .._layout import is_dense, like, same_layout
+from .._layout import is_dense, layouts_match, like, same_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASTER_WEIGHTS = (None, True, False, "remainder")
@@ -1469,8 +1469,8 @@ class FusedOptimizer(Optimizer):
                 # goes through a copy in the param's layout. DTensors: their local shards' layouts, which the
                 # kernels read (and torch.compile's dynamo cannot trace a DTensor's own stride() here).
                 laid = _dist.local if dtensors else _same
-                grads = [g if laid(g).stride() == laid(p).stride() or same_layout(laid(g), laid(p))
-                         else like(g, p, p.dtype) for p, g in ((p, p.grad) for p in ps)]
+                grads = [g if layouts_match(laid(g), laid(p)) else like(g, p, p.dtype)
+                         for p, g in ((p, p.grad) for p in ps)]
                 # DTensors: the kernels update the local shards (the same memory as the DTensors)
                 kps, kgrads, kstates = self._local_views(ps, grads, states) if dtensors else (ps, grads, states)
                 sr = [offsets[id(p)] for p in kps] if group.get("rounding") == "stochastic" else None

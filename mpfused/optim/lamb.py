@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _dist, _ops
-from .._layout import flat, is_dense
+from .._layout import dense_grad, flat
 from ._base import (FusedOptimizer, StepScaling, check_betas, check_common_kwargs, check_flags, check_lr, check_number,
                     copy_to, switch)
 
@@ -98,7 +98,7 @@ class FusedLAMB(FusedOptimizer):
         by_device: dict[torch.device, list] = defaultdict(list)
         for p in params:
             g = _dist.local(p.grad)  # a DTensor here is replicated (_check_kinds): its shard is the whole grad
-            by_device[p.device].append(flat(g) if is_dense(g) else g.contiguous())
+            by_device[p.device].append(flat(g) if dense_grad(g) else g.contiguous())
         if len(by_device) > 1 and any(d.type == "meta" for d in by_device):
             raise ValueError("FusedLAMB's max_grad_norm clips by the global norm of every param's gradient, and "
                              "params on the meta device hold no values to add to the others' (devices: "
