@@ -37,11 +37,14 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 def same_layout(t: torch.Tensor, ref: torch.Tensor) -> bool:
     """True when t has ref's shape and the same stride in every dim of size > 1 (a size-1 dim's stride never
     addresses memory), so that element i of both flat arrays is the same logical element."""
-    if t.shape != ref.shape:
+    return _same(t.shape, t.stride(), ref)
+
+
+def _same(shape, strides, ref: torch.Tensor) -> bool:
+    if shape != ref.shape:
         return False
-    if t.stride() == ref.stride():
-        return True
-    return all(s == 1 or a == b for s, a, b in zip(ref.shape, t.stride(), ref.stride()))
+    ref_strides = ref.stride()
+    return strides == ref_strides or all(s == 1 or a == b for s, a, b in zip(ref.shape, strides, ref_strides))
 
 
 def grad_strides(t: torch.Tensor) -> tuple:
@@ -58,11 +61,7 @@ def dense_grad(t: torch.Tensor) -> bool:
 
 def layouts_match(t: torch.Tensor, ref: torch.Tensor) -> bool:
     """same_layout for a ``.grad`` ``t`` and its param ``ref`` of the same shape (see grad_strides)."""
-    if t.is_contiguous() and ref.is_contiguous():
-        return True
-    strides = grad_strides(t)
-    return strides == ref.stride() or (
-        t.shape == ref.shape and all(s == 1 or a == b for s, a, b in zip(ref.shape, strides, ref.stride())))
+    return (t.is_contiguous() and ref.is_contiguous()) or _same(t.shape, grad_strides(t), ref)
 
 
 def like(value: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
