@@ -15,8 +15,13 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 # The torch that `make test` installs when the venv has none. A CPU build is enough for the tests.
 TORCH_SPEC ?= torch==2.13.0
-DEV_PACKAGES := numpy pytest hypothesis ninja 'setuptools>=77' wheel rich tqdm matplotlib scikit-learn
+DEV_PACKAGES := numpy pytest pytest-xdist hypothesis ninja 'setuptools>=77' wheel rich tqdm matplotlib scikit-learn
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+# pytest's worker processes (pytest-xdist) for the full suite: one test process alone keeps about 1.2 of 2 cores
+# busy (the tests are mostly small and host-bound), so `make test` runs JOBS of them (tests/conftest.py gives each
+# its share of the threads). PYTEST_WORKERS=0 runs in one process. The shorter kernel-test runs per CPU path stay
+# in one process: two workers' start-up costs more than they save there (measured: 17 s alone, 18 s with two).
+PYTEST_WORKERS ?= $(JOBS)
 NATIVE_BUILD := build/native
 CUDA_BUILD := build/cuda-check
 
@@ -47,7 +52,8 @@ SUPPORTED_ISAS = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['
 DEFAULT_ISA = $(shell $(VPY) -c "import mpfused; print(mpfused.build_info()['cpu_isa'])")
 
 test-python: build
-	$(VPY) -m pytest -q
+	@$(VPY) -c "import xdist" 2>/dev/null || $(VPY) -m pip install --progress-bar off -q pytest-xdist
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS)
 	@supported="$(SUPPORTED_ISAS)"; default="$(DEFAULT_ISA)"; echo "CPU path $$default: full suite ran above"; \
 	for isa in $(ISA_PATHS); do \
 	  case " $$supported " in *" $$isa "*) ;; *) echo "CPU path $$isa: SKIPPED (this CPU lacks it)"; continue;; esac; \

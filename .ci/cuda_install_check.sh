@@ -24,7 +24,7 @@ command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || { echo "cuda_install_ch
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy 'setuptools>=77' wheel ninja pytest hypothesis rich tqdm matplotlib
+"$VENV/bin/python" -m pip install --progress-bar off -q "$CUDA_TORCH_SPEC" numpy 'setuptools>=77' wheel ninja pytest pytest-xdist hypothesis rich tqdm matplotlib
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'expected a CUDA-enabled torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # --venv-only: the venv alone (.ci/run prepares it in the background while `make test` runs: unpacking
 # CUDA torch's gigabytes is mostly disk and decompression, which overlaps the compiles and the tests).
@@ -113,7 +113,8 @@ SKIP_REPEATS=(test_cpu_isa.py test_optim.py test_gemm.py test_distributed.py tes
               test_fsdp2_example.py test_gpu_check_script.py test_profile_kernels.py test_bench_harness.py)
 # (CUDA_VISIBLE_DEVICES empty: on a machine with a GPU of another arch than INSTALL_ARCHS, its CUDA cases
 # would find no kernel image; this check is about the CPU side of the CUDA build.)
-CUDA_VISIBLE_DEVICES= "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${SKIP_REPEATS[@]/#/--ignore=$WORK/tests/}" "$WORK/tests"
+# (JOBS test processes, as `make test` runs them: one alone keeps about 1.2 cores busy)
+CUDA_VISIBLE_DEVICES= "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "$JOBS" "${SKIP_REPEATS[@]/#/--ignore=$WORK/tests/}" "$WORK/tests"
 
 # The GPU window's reuse of a prebuilt extension (.ci/gpu_check.sh build, after .ci/gpu_prebuild.sh), with
 # this CUDA build standing in for the prebuilt one: its key is taken as gpu_prebuild.sh takes it, and the

@@ -2,10 +2,19 @@
 mpfused was built with CUDA kernels, otherwise the cuda cases are skipped with the reason (never
 silently passed)."""
 
+import os
+
 import pytest
 import torch
 
 import mpfused
+
+# Under pytest-xdist (`make test` runs one worker per core), the workers share the cores: each gets its share
+# of CPU threads, or their OpenMP teams spin against each other (measured on 2 cores, 2 workers: the suite in
+# 256 s with 2 threads each, 227 s with 1). The tests of thread-count independence set their own counts.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 def cuda_skip_reason():
