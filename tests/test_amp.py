@@ -852,19 +852,27 @@ def test_an_initialized_model_exports(level):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_checkpoint_loaded_before_initialize_keeps_its_masters(dtype, fused):
+@pytest.mark.parametrize("optim", ["adamw", "adam", "fused"])
+@pytest.mark.parametrize("case", ["stepped", "frozen", "step0"])
+def test_a_checkpoint_loaded_before_initialize_keeps_its_masters(dtype, optim, case):
     """A fresh FP32 model and optimizer, the checkpoint of an O2 run loaded into them, then amp.initialize:
     initialize replaced the loaded FP32 masters with the loaded low-precision weights (and a FusedAdamW's
     load over FP32 params dropped them before), so the resumed run lost the masters' low bits. It is now
-    bit-identical to the unbroken one, as loading after initialize is."""
+    bit-identical to the unbroken one, as loading after initialize is.
+    A param in the optimizer that has not stepped ("frozen", as in fine-tuning; or every param of a
+    checkpoint taken before the first step, "step0") has an entry with its master alone, and
+    torch.optim.Adam(W).load_state_dict read the step of every entry: KeyError 'step'. Such an entry is now
+    saved with step 0."""
     import io
     x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "fused": FusedAdamW}[optim]
 
     def build():
         torch.manual_seed(0)
-        m = nn.Linear(4, 4)
-        return m, (FusedAdamW if fused else torch.optim.AdamW)(m.parameters(), lr=1e-3)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if case == "frozen":
+            m[1].weight.requires_grad_(False)  # yet in the optimizer
+        return m, cls(m.parameters(), lr=1e-3)
 
     def step(m, opt, sc):
         opt.zero_grad()
@@ -874,10 +882,14 @@ def test_a_checkpoint_loaded_before_initialize_keeps_its_masters(dtype, fused):
 
     m, opt = build()
     m, opt, sc = amp.initialize(m, opt, "O2", dtype=dtype)
-    for _ in range(3):
+    for _ in range(0 if case == "step0" else 3):
         step(m, opt, sc)
     buf = io.BytesIO()
     torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "scaler": sc.state_dict()}, buf)
+    if case != "stepped":  # the entry that holds a master alone says step 0; the live one is left as it is
+        assert "step" not in opt.state[m[1].weight]
+        assert sorted(torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["opt"]["state"][2]) == [
+            "master_param", "step"]
     for _ in range(3):
         step(m, opt, sc)
     buf.seek(0)
@@ -886,9 +898,13 @@ def test_a_checkpoint_loaded_before_initialize_keeps_its_masters(dtype, fused):
     m2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])
     m2, opt2, sc2 = amp.initialize(m2, opt2, "O2", dtype=dtype)
-    assert torch.equal(opt2.state[m2.weight]["master_param"], ck["opt"]["state"][0]["master_param"])
+    assert torch.equal(opt2.state[m2[0].weight]["master_param"], ck["opt"]["state"][0]["master_param"])
     sc2.load_state_dict(ck["scaler"])
     for _ in range(3):
         step(m2, opt2, sc2)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
-    assert torch.equal(opt.state[m.weight]["master_param"], opt2.state[m2.weight]["master_param"])
+    for p, q in zip(m.parameters(), m2.parameters()):
+        for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            if key in opt.state[p]:
+                assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+        assert float(opt.state[p].get("step", 0)) == float(opt2.state[q].get("step", 0))

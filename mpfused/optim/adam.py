@@ -42,6 +42,19 @@ class FusedAdam(FusedOptimizer):
         self._check_group(defaults, "")
         super().__init__(params, defaults)
 
+    def state_dict(self) -> dict:
+        """FusedOptimizer's, where an entry without a step count (a param that has not stepped yet, a frozen one
+        or any before the first step, holds only its master or remainder) gets ``step`` 0, a float32 CPU tensor
+        as torch's own: torch.optim.Adam(W).load_state_dict reads the step of every entry that is not empty,
+        and amp's resume into the fresh FP32 model and optimizer loads a checkpoint there. A fused load treats
+        the entry as a fresh one (the first step counts from 0 and starts the moments at zero). The live state
+        is left as it is."""
+        sd = super().state_dict()
+        for k, st in sd["state"].items():
+            if isinstance(st, dict) and st and "step" not in st:
+                sd["state"][k] = {**st, "step": torch.zeros((), dtype=torch.float32)}  # (st is the live state)
+        return sd
+
     def _check_group(self, group, where, in_step=False) -> None:
         read_cpu = not (in_step and group.get("capturable"))
         check_lr(group["lr"], where, read_device=not in_step, read_cpu=read_cpu)
