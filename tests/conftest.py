@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import mpfused
+# A kernel fault costs one test, not its process's later GPU tests (see tests/cuda_context.py).
+from cuda_context import (pytest_configure, pytest_handlecrashitem, pytest_runtest_protocol,  # noqa: F401
+                          pytest_runtest_teardown)
 
 # Under pytest-xdist (`make test` runs one worker per core), the workers share the cores: each gets its share
 # of CPU threads, or their OpenMP teams spin against each other (measured on 2 cores, 2 workers: the suite in
