@@ -215,6 +215,45 @@ pytest_gpu_options() {
   echo "${opts[@]}"
 }
 
+# The Hopper GEMM kernel's cases (-m wgmma) in FILES, in processes of their own, after a canary of each of its
+# two forms (one small case of the plain kernel, then of the cluster kernel, each alone, without workers). A
+# pipeline that never completes traps only after kMbarWaitLimitCycles (about 70 s, csrc/cuda/wgmma.cuh) and
+# leaves its process's CUDA context broken (tests/cuda_context.py then stops that session): every case of that
+# form would cost as much, and a window has minutes. So a form whose canary broke the context is not run
+# further (the plain one broken: none are, the cluster form falling back to it below 129 rows), and LOG.counts
+# says so. Returns 5 where FILES have no wgmma case, 2 when a canary broke the context, 1 when a case failed.
+WGMMA_CANARY="itself_runs_aligned_operands and 1-304-264-72-False-False-False"
+run_wgmma() {
+  local log=$1 opts form crc broken=() select=() rc=0 counts
+  shift
+  read -r -a opts <<<"$(pytest_gpu_options)"
+  for form in wgmma wgmma-cluster; do
+    "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -m wgmma -k "$WGMMA_CANARY and cuda-$form-1" "$@" \
+      > "$log.canary-$form" 2>&1
+    crc=$?
+    cat "$log.canary-$form"
+    if grep -q -e "CUDA context of its process was broken" -e "the CUDA context is broken" -e "+ Timeout +" \
+         "$log.canary-$form"; then
+      broken+=("$form")
+      echo "run_wgmma: the $form canary broke the CUDA context (a trap, a hang or a fault): its cases are not run"
+      break  # (the plain form broken: the cluster form's canary would be refused the same way)
+    fi
+  done
+  case " ${broken[*]} " in
+    *" wgmma "*) echo "1 failed (the plain kernel's canary broke the CUDA context; no other case run)" > "$log.counts"
+                 return 2 ;;
+    *" wgmma-cluster "*) select=(-k "not cluster"); rc=2 ;;
+  esac
+  "$PY" -m pytest "${opts[@]}" -m wgmma "${select[@]}" "$@" 2>&1 | tee "$log"
+  crc=${PIPESTATUS[0]}
+  [ "$crc" -eq 5 ] && [ "$rc" -eq 0 ] && return 5
+  counts=$(pytest_counts "$log")
+  [ "$rc" -eq 2 ] && counts="$counts; the cluster kernel's canary broke the CUDA context: its cases not run"
+  echo "$counts" > "$log.counts"
+  [ "$rc" -ne 0 ] && return "$rc"
+  [ "$crc" -eq 0 ] || return 1
+}
+
 stage_tests() {
   check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
   require_build || return 1
@@ -225,13 +264,13 @@ stage_tests() {
     "$PY" -m pytest "${opts[@]}" -m "cuda and not wgmma" "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     counts=$(pytest_counts "$log")
-    # the Hopper GEMM kernel's cases among them, in a process of their own (5: the files have none)
+    # the Hopper GEMM kernel's cases among them, in processes of their own (5: the files have none)
     local wrc
-    "$PY" -m pytest "${opts[@]}" -m wgmma "$@" 2>&1 | tee "$log.wgmma"
-    wrc=${PIPESTATUS[0]}
+    run_wgmma "$log.wgmma" "$@"
+    wrc=$?
     if [ "$wrc" -ne 5 ]; then
       [ "$wrc" -eq 0 ] || rc=1
-      counts="$counts; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")"
+      counts="$counts; Hopper GEMM kernel: $(cat "$log.wgmma.counts")"
     fi
   else
     # the GPU cases of every file, then the Hopper GEMM kernel's in a process of their own (not yet proven on a
@@ -240,14 +279,19 @@ stage_tests() {
     "$PY" -m pytest "${opts[@]}" -m "cuda and not wgmma" tests 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     counts="cuda cases: $(pytest_counts "$log")"
-    "$PY" -m pytest "${opts[@]}" -m wgmma tests/test_gemm.py 2>&1 | tee "$log.wgmma"
-    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    local wrc
+    run_wgmma "$log.wgmma" tests/test_gemm.py
+    wrc=$?
+    if [ "$wrc" -ne 0 ]; then
       rc=1
-      # where it goes wrong: outputs that name their sources, counted by their place in the tile
-      "$PY" .ci/wgmma_diagnose.py 2>&1 | tee "$LOGS/wgmma-diagnose.log"
-      counts="$counts; $(grep "^wgmma diagnosis:" "$LOGS/wgmma-diagnose.log" | tail -1)"
+      if [ "$wrc" -eq 1 ]; then
+        # where it goes wrong: outputs that name their sources, counted by their place in the tile (not after a
+        # canary broke the context: the diagnosis would run the same kernel)
+        "$PY" .ci/wgmma_diagnose.py 2>&1 | tee "$LOGS/wgmma-diagnose.log"
+        counts="$counts; $(grep "^wgmma diagnosis:" "$LOGS/wgmma-diagnose.log" | tail -1)"
+      fi
     fi
-    counts="$counts; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")"
+    counts="$counts; Hopper GEMM kernel: $(cat "$log.wgmma.counts")"
     "$PY" -m pytest -q -p no:cacheprovider tests/test_demo.py 2>&1 | tee "$log.demo"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     counts="$counts; demo: $(pytest_counts "$log.demo")"
@@ -310,14 +354,23 @@ stage_sanitize() {
   fi
   # The Hopper GEMM kernel's cases among them, in a process of their own as in the test stage (pytest's 5:
   # the files hold none; on a GPU without the kernel they are skipped)
-  local wrc wcounts=""
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
-    --target-processes all "$PY" -m pytest "${opts[@]}" -m "wgmma and ${subset}${deselect}" \
-    "${files[@]}" 2>&1 | tee "$log.wgmma"
-  wrc=${PIPESTATUS[0]}
-  if [ "$wrc" -ne 5 ]; then
-    [ "$wrc" -eq 0 ] || rc=1
-    wcounts="; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")"
+  local wrc wcounts="" wsel=""
+  # (a form whose canary broke the CUDA context in the test stage (run_wgmma) is left out here too)
+  if grep -qs "plain kernel's canary broke" "$LOGS"/tests*.pytest.log.wgmma.counts; then
+    wsel=" and not wgmma" wcounts="; Hopper GEMM kernel: not run (its canary broke the CUDA context in the test stage)"
+  elif grep -qs "cluster kernel's canary broke" "$LOGS"/tests*.pytest.log.wgmma.counts; then
+    wsel=" and not cluster"
+  fi
+  : > "$log.wgmma"
+  if [ -z "$wcounts" ]; then
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
+      --target-processes all "$PY" -m pytest "${opts[@]}" -m "wgmma and ${subset}${deselect}" \
+      ${wsel:+-k "${wsel# and }"} "${files[@]}" 2>&1 | tee "$log.wgmma"
+    wrc=${PIPESTATUS[0]}
+    if [ "$wrc" -ne 5 ]; then
+      [ "$wrc" -eq 0 ] || rc=1
+      wcounts="; Hopper GEMM kernel: $(pytest_counts "$log.wgmma")${wsel:+ (the cluster form left out: its canary broke the context)}"
+    fi
   fi
   local errors
   errors=$(cat "$log" "$log.wgmma" | grep -Eo "ERROR SUMMARY: [0-9]+ error" | awk '{s += $3} END {print s + 0}')
@@ -452,6 +505,11 @@ if [ "${1:-}" = "--inner" ]; then
 fi
 if [ "${1:-}" = "--key" ]; then  # for .ci/gpu_prebuild.sh: the key of a build by the interpreter $2
   print_key "${2:-$PY}"
+  exit $?
+fi
+if [ "${1:-}" = "--wgmma" ]; then  # run_wgmma alone: LOG FILE... (for its test, with a stand-in interpreter)
+  shift
+  run_wgmma "$@"
   exit $?
 fi
 if [ "${1:-}" = "--reuse" ]; then  # the build stage's reuse of a prebuilt extension alone, for ARCHS ($2)

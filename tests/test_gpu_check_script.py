@@ -219,3 +219,47 @@ def test_the_wgmma_diagnosis_says_where_wrong_outputs_came_from(monkeypatch):
     assert msg.startswith(f"{3 * 64 * 8} of {3 * 384 * 768} wrong") and "by consumer {1: 1536}" in msg, msg
     assert "by cols32 {0: 1536}" in msg and "by batch {0: 512, 1: 512, 2: 512}" in msg, msg
     assert "(0,64,8) got 1 (from batch 0 col%512 0), want batch 0 col%512 8" in msg, msg
+
+
+# ---- the Hopper kernel's canaries (run_wgmma, in the test stage)
+
+STAND_IN = """#!/usr/bin/env bash
+# a stand-in interpreter: records each call; pytest's canary of the form in $BROKEN reports a broken context
+echo "$*" >> "$CALLS"
+[ "$1" = "-c" ] && exit 1  # (no pytest-xdist, no pytest-timeout)
+case "$*" in
+  *"-k itself_runs"*"cuda-$BROKEN-1 "*) echo "the CUDA context of its process was broken by X (stand-in)"
+                                       echo "1 failed in 1.00s"; exit 1 ;;
+  *"-k itself_runs"*) echo "1 passed in 1.00s"; exit 0 ;;
+esac
+echo "7 passed in 2.00s"
+"""
+
+
+@pytest.mark.parametrize("broken", ["none", "wgmma-cluster", "wgmma"])
+def test_a_hopper_canary_that_breaks_the_context_keeps_its_form_from_running(tmp_path, broken):
+    """A Hopper kernel whose pipeline never completes traps after about 70 s and breaks its process's CUDA
+    context: each case of it would cost as much. The test stage runs one small case of each form first, alone,
+    and leaves out the form whose canary broke the context (the plain form: every case)."""
+    python, calls = tmp_path / "python", tmp_path / "calls"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), GPU_CHECK_LOGS=str(tmp_path / "logs"), CALLS=str(calls),
+               BROKEN=broken)
+    log = tmp_path / "w.log"
+    r = subprocess.run(["bash", str(SCRIPT), "--wgmma", str(log), "tests/test_gemm.py"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    runs = [c for c in calls.read_text().splitlines() if c.startswith("-m pytest")]
+    canaries = [c for c in runs if "-k itself_runs" in c]
+    assert all("-p no:xdist" in c for c in canaries)
+    counts = (tmp_path / "w.log.counts").read_text()
+    if broken == "wgmma":
+        assert r.returncode == 2 and len(runs) == 1 and "cuda-wgmma-1 " in canaries[0] + " "
+        assert "plain kernel's canary broke the CUDA context; no other case run" in counts
+        return
+    assert len(canaries) == 2 and [c for c in runs if c not in canaries] == [runs[-1]]
+    if broken == "wgmma-cluster":
+        assert r.returncode == 2 and "-k not cluster" in runs[-1]
+        assert counts.startswith("7 passed") and "cluster kernel's canary broke the CUDA context" in counts
+    else:
+        assert r.returncode == 0 and "-k" not in runs[-1] and counts.strip() == "7 passed in 2.00s"
