@@ -4,6 +4,8 @@
 # benchmark names keeps a summary line of its own (e.g. sanitize-memcheck-gemm):
 #
 #   bash .ci/gpu_check.sh deps        every tool and Python package the stages need, each missing one named
+#                                     (fails on a missing package or GPU; a missing nvcc or compute-sanitizer
+#                                     fails only the stages that need it: a build from source, sanitize)
 #   bash .ci/gpu_check.sh build       the extension in place for the visible GPUs' archs only, all cores;
 #                                     leaves mpfused/_C*.so and build/ for the later stages (no rebuild);
 #                                     or, where .ci/gpu_prebuild.sh left one for this very machine (sources,
@@ -81,10 +83,29 @@ pytest_counts() {
   grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 | sed -E 's/=+//g; s/^ +| +$//g'
 }
 
-# Everything the stages need, checked in one interpreter run; prints "missing: ..." and fails when
-# something is absent. Every stage runs it first.
+# The CUDA tools and where each is needed: nvcc to build from source (not where a prebuilt extension is
+# reused), compute-sanitizer for the sanitize stages (ncu: the profile stage looks for it itself).
+find_nvcc() { find_cuda_tool nvcc ""; }
+tool_path() {
+  case "$1" in
+    nvcc) find_nvcc ;;
+    compute-sanitizer) find_sanitizer ;;
+  esac
+}
+tool_use() {
+  case "$1" in
+    nvcc) echo "on PATH or in \$CUDA_HOME/bin; the build stage needs it to build from source" ;;
+    compute-sanitizer) echo "on PATH, in \$CUDA_HOME/bin or beside nvcc; the sanitize stages need it" ;;
+  esac
+}
+
+# What a stage needs, checked in one interpreter run: the Python packages, a CUDA build of torch and a GPU,
+# and the CUDA tools named in the arguments (nvcc, compute-sanitizer). Prints "missing: ..." and fails when
+# something is absent; every stage runs it first. The deps stage names every tool without requiring one, so
+# that a machine without compute-sanitizer (or, with a prebuilt extension, without nvcc) still runs the
+# stages that do not need it.
 check_deps() {
-  local missing=() out
+  local missing=() out tool path
   out=$("$PY" - <<'PYEOF' 2>&1
 import importlib, sys
 missing = []
@@ -113,18 +134,28 @@ PYEOF
   ) || missing+=("a working python ($PY)")
   echo "$out"
   while IFS= read -r line; do missing+=("${line#missing: }"); done < <(grep "^missing: " <<<"$out")
-  command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || missing+=("nvcc (on PATH or in \$CUDA_HOME/bin)")
-  find_sanitizer >/dev/null || missing+=("compute-sanitizer (on PATH, in \$CUDA_HOME/bin or beside nvcc)")
+  for tool in "$@"; do
+    tool_path "$tool" >/dev/null || missing+=("$tool ($(tool_use "$tool"))")
+  done
   if [ ${#missing[@]} -gt 0 ]; then
     echo "DETAIL missing: $(IFS=,; echo "${missing[*]}")"
     return 1
   fi
-  echo "compute-sanitizer: $(find_sanitizer)"
+  for tool in nvcc compute-sanitizer; do
+    if path=$(tool_path "$tool"); then echo "$tool: $path"; else echo "$tool: not found ($(tool_use "$tool"))"; fi
+  done
 }
 
 stage_deps() {
-  check_deps || return 1
-  echo "DETAIL all present"
+  local out absent=()
+  out=$(check_deps) || { echo "$out"; return 1; }
+  echo "$out"
+  while IFS= read -r line; do absent+=("${line%%:*}"); done < <(grep ": not found (" <<<"$out")
+  if [ ${#absent[@]} -gt 0 ]; then
+    echo "DETAIL the Python packages and the GPU present; not found: ${absent[*]} (the stages that need it will fail)"
+  else
+    echo "DETAIL all present"
+  fi
 }
 
 # The key of an extension built for this machine: the sources it is built from, torch's release and commit,
@@ -187,6 +218,10 @@ stage_build() {
     "$PY" -m mpfused || return 1
     echo "DETAIL reused the prebuilt extension ($PREBUILT_ARCHS): $(ls mpfused/_C*.so)"
     return 0
+  fi
+  if ! find_nvcc >/dev/null; then
+    echo "DETAIL missing: nvcc ($(tool_use nvcc)), and no prebuilt extension for this machine (make gpu-prebuild)"
+    return 1
   fi
   echo "building for TORCH_CUDA_ARCH_LIST=$archs with $(nproc) jobs"
   TORCH_CUDA_ARCH_LIST="$archs" MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace || return 1
@@ -306,7 +341,7 @@ stage_sanitize() {
     memcheck | racecheck | synccheck | initcheck) shift ;;
     *) echo "sanitize: the first argument must be memcheck, racecheck, synccheck or initcheck, got '${tool}'"; return 2 ;;
   esac
-  check_deps > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
+  check_deps compute-sanitizer > "$LOGS/deps-check.txt" || { cat "$LOGS/deps-check.txt"; return 1; }
   require_build || return 1
   local files=("$@") all=${SANITIZE_ALL:-0}
   if [ ${#files[@]} -eq 0 ]; then files=("${KERNEL_TEST_FILES[@]}"); else all=${SANITIZE_ALL:-1}; fi

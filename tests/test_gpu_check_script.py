@@ -43,6 +43,31 @@ def test_deps_names_what_is_missing(tmp_path):
     assert (tmp_path / "logs" / "deps.log").read_text().count("missing") >= 1
 
 
+def test_a_missing_cuda_tool_fails_only_the_stages_that_need_it(tmp_path):
+    # A stand-in interpreter whose dependency check finds every package and a GPU (and which has no mpfused
+    # build), and a compute-sanitizer that is not there: the deps stage passes and names it, the stages that
+    # do not need it go on to their next check, the sanitize stage fails naming it.
+    python = tmp_path / "stand-in-python"
+    python.write_text("#!/bin/sh\nif [ \"$1\" = - ]; then cat >/dev/null; echo 'torch CUDA | cuda:0 stand-in'; "
+                      "exit 0; fi\nexit 1\n")
+    python.chmod(0o755)
+    env_extra = {"COMPUTE_SANITIZER": str(tmp_path / "no-such-compute-sanitizer")}
+
+    def run(*args):
+        env = dict(os.environ, PYTHON=str(python), GPU_CHECK_LOGS=str(tmp_path / "logs"), **env_extra)
+        r = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+        return r.returncode, r.stdout, [line for line in r.stdout.splitlines() if line.startswith("gpu-check ")][-1]
+
+    rc, out, line = run("deps")
+    assert rc == 0 and line.startswith("gpu-check deps: PASS"), out
+    assert "not found: compute-sanitizer" in line and "missing" not in line, line
+    for name in ("tests", "bench", "bench-cpu"):
+        rc, out, line = run(name)
+        assert rc != 0 and "no CUDA build of mpfused here" in out and "compute-sanitizer" not in line, out
+    rc, out, line = run("sanitize", "memcheck")
+    assert rc != 0 and line.startswith("gpu-check sanitize-memcheck: FAIL") and "missing: compute-sanitizer" in line
+
+
 def test_stages_refuse_bad_arguments_and_a_missing_build(tmp_path):
     rc, out, line = stage(tmp_path, "sanitize", "leakcheck")
     assert rc == 2 and "must be memcheck, racecheck, synccheck or initcheck, got 'leakcheck'" in out
