@@ -323,20 +323,38 @@ def _fused_kwargs(cls, defaults: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in accepted and k not in ("self", "params", "master_weights")}
 
 
+# The hooks a torch.optim.Optimizer keeps per instance (register_step_pre_hook and the like).
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+
+
 def _convert_optimizer(opt, master_weights):
     """The fused optimizer that continues ``opt``: same param groups (the same Parameter objects), the
-    same hyperparameters and extra group keys, the same state (moments, step counts)."""
+    same hyperparameters and extra group keys, the same state (moments, step counts), the same hooks."""
     fused_cls = _CONVERTIBLE[type(opt)]
     if getattr(opt.step, "_wrapped_by_lr_sched", False):
         warnings.warn(f"an LR scheduler is attached to this {type(opt).__name__}; amp.initialize replaces the "
                       f"optimizer by a {fused_cls.__name__}, and the scheduler keeps driving the old one. "
                       "Create LR schedulers after amp.initialize.", stacklevel=3)
-    fused = fused_cls([{"params": list(g["params"])} for g in opt.param_groups],
-                      master_weights=master_weights, **_fused_kwargs(fused_cls, opt.defaults))
-    # torch.optim state dicts load into the fused optimizers: every group's hyperparameters (and any
-    # extra keys, e.g. a scheduler's initial_lr) and the state tensors (FP32 stays FP32). The tensors are
-    # taken over, not copied: no second copy of the moments, even for a moment; opt must not step again.
-    fused.load_state_dict(opt.state_dict())
+    # The user's hooks on opt are not run by the hand-over below (a state_dict post-hook that edits the dict,
+    # e.g. to shrink a checkpoint, would edit what the fused optimizer loads), and then become the fused
+    # optimizer's: the very same dicts, so that a handle from opt.register_..._hook still removes its hook.
+    hooks = {name: opt.__dict__[name] for name in _OPTIMIZER_HOOKS if isinstance(opt.__dict__.get(name), dict)}
+    for name, d in hooks.items():
+        opt.__dict__[name] = type(d)()
+    try:
+        fused = fused_cls([{"params": list(g["params"])} for g in opt.param_groups],
+                          master_weights=master_weights, **_fused_kwargs(fused_cls, opt.defaults))
+        # torch.optim state dicts load into the fused optimizers: every group's hyperparameters (and any
+        # extra keys, e.g. a scheduler's initial_lr) and the state tensors (FP32 stays FP32). The tensors are
+        # taken over, not copied: no second copy of the moments, even for a moment; opt must not step again.
+        fused.load_state_dict(opt.state_dict())
+    finally:
+        opt.__dict__.update(hooks)
+    for name, d in hooks.items():
+        d.update(fused.__dict__.get(name) or {})  # (none: a new fused optimizer registers no hook of its own)
+        fused.__dict__[name] = d
     return fused
 
 
@@ -357,6 +375,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` is kept as is where no masters
     are needed (the fused optimizers take no sparse gradients), and is an error where they are, as is a
     fused optimizer over one. Create LR schedulers after this call (they hold a reference to the optimizer).
+    The hooks registered on a replaced optimizer (``register_step_pre_hook`` and the other per-optimizer
+    hooks) are the fused one's, their handles still valid; the replacement itself runs none of them.
 
     ``opt_level``: "O0" FP32 (the accuracy baseline, loss scale 1); "O1" FP32 weights, forward under
     ``torch.autocast(device_type, dtype)`` with its low-precision outputs returned as FP32, dynamic loss
@@ -459,8 +479,9 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
         if needs_masters and not isinstance(opt, FusedOptimizer) and type(opt) not in _CONVERTIBLE:
             raise ValueError(
                 f"{opt_level} keeps FP32 master weights inside a fused optimizer, and {type(opt).__name__} cannot "
-                "be converted to one: use torch.optim.Adam, AdamW or SGD, or mpfused.optim.FusedAdam, FusedAdamW "
-                "or FusedSGD (or pass master_weights=False to update the low-precision params directly)")
+                "be converted to one: use torch.optim.Adam, AdamW or SGD, or one of mpfused.optim's FusedAdam, "
+                "FusedAdamW, FusedSGD, FusedLAMB, FusedLion (or pass master_weights=False to update the "
+                "low-precision params directly)")
     # A fused optimizer's group that chose its precision itself (master_weights True, False or "remainder"
     # rather than the default None) keeps it at a level that casts the model, unless initialize's
     # master_weights is given, which sets every group (as apex's keyword sets the level's): "remainder"

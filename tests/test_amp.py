@@ -621,6 +621,44 @@ def test_an_lr_scheduler_made_before_initialize_warns(device):
         amp.initialize(model, opt, "O2")
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_hooks_of_a_replaced_optimizer_are_the_fused_ones_and_the_replacement_runs_none(device, level):
+    """Hooks registered on the torch optimizer that initialize replaces carry over to the fused one (an EMA in
+    a step post-hook kept running; they were dropped, in silence), their handles still remove them, and the
+    hand-over runs none of them (a state_dict post-hook that edits the dict would have edited what the fused
+    optimizer loads: here one that would empty the state)."""
+    model = net(device)
+    old = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch(device)
+    F.cross_entropy(model(x), y).backward()
+    old.step()  # state to hand over
+    calls = []
+    old.register_step_pre_hook(lambda o, a, k: calls.append(("step_pre", o)))
+    post = old.register_step_post_hook(lambda o, a, k: calls.append(("step_post", o)))
+    old.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o)))
+
+    def shrink(o, sd):
+        calls.append(("sd_post", o))
+        sd["state"].clear()
+    old.register_state_dict_post_hook(shrink)
+    old.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("lsd_pre", o)))
+    old.register_load_state_dict_post_hook(lambda o: calls.append(("lsd_post", o)))
+    model, opt, scaler = amp.initialize(model, old, level)
+    assert calls == [] and isinstance(opt, FusedAdamW)
+    assert all("exp_avg" in opt.state[p] for p in model.parameters())  # the edit-on-save hook did not run
+    iteration(model, opt, scaler, *batch(device))
+    assert calls == [("step_pre", opt), ("step_post", opt)]
+    calls.clear()
+    sd = opt.state_dict()
+    assert [c[0] for c in calls] == ["sd_pre", "sd_post"] and sd["state"] == {}
+    opt.load_state_dict(sd)
+    assert [c[0] for c in calls] == ["sd_pre", "sd_post", "lsd_pre", "lsd_post"]
+    post.remove()
+    calls.clear()
+    iteration(model, opt, scaler, *batch(device))
+    assert calls == [("step_pre", opt)]
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(opt_level="O4"), ValueError, "unknown opt_level 'O4'"),

@@ -1067,6 +1067,60 @@ def test_masters_keep_their_bits_when_nothing_else_writes_the_params():
     assert torch.equal(resumed.state[q]["master_param"], opt.state[p]["master_param"]) and torch.equal(q, p)
 
 
+@pytest.mark.parametrize("how", ["cast", "resume"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
+def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how):
+    """FP16/BF16 params with FP32 masters that become FP32 (``model.float()`` mid-run, or the run's
+    checkpoint loaded into an FP32 model) need no master, and continue from it: the next step updates the
+    masters' values, low bits included, as the steps before it did (its gradient, like theirs, comes from
+    the params' rounded values), except where the param was written after the cast (that element keeps
+    what was written, as masters follow writes). It was: from the FP16/BF16 values, the masters' low bits
+    lost. Loading the optimizer writes no param."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(16, 8).to(dtype)
+    opt = cls(model.parameters(), **KW[cls], rounding=rounding, seed=5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 16).to(dtype)).float().pow(2).mean().backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    masters = [saved["state"][i]["master_param"] for i in range(2)]
+    assert not torch.equal(masters[0], model.weight.detach().float())  # low bits the param does not hold
+    if how == "cast":
+        model.float()
+    else:
+        low = model.state_dict()
+        model = torch.nn.Linear(16, 8)
+        model.load_state_dict(low)
+        opt = cls(model.parameters(), **KW[cls])
+        opt.load_state_dict(copy.deepcopy(saved))
+        assert torch.equal(model.weight, low["weight"].float())  # the load wrote no param
+    with torch.no_grad():
+        model.weight[0, 0] = 0.375  # a write after the cast: this element keeps it
+    start = [masters[0].clone(), masters[1].clone()]
+    start[0][0, 0] = 0.375
+    x = torch.randn(4, 16)
+    ref_model = copy.deepcopy(model)  # the same values for the forward and backward
+    ref = cls(ref_model.parameters(), **KW[cls])
+    ref_saved = copy.deepcopy(saved)
+    for st in ref_saved["state"].values():
+        del st["master_param"]
+    ref.load_state_dict(ref_saved)
+    for m, o in ((model, opt), (ref_model, ref)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+    with torch.no_grad():  # the reference updates the masters' values (no masters of its own to follow)
+        ref_model.weight.copy_(start[0])
+        ref_model.bias.copy_(start[1])
+    opt.step()
+    ref.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert all("master_param" not in opt.state[p] for p in model.parameters())
+
+
 # ---- CUDA against the CPU ---------------------------------------------------------------------------------
 @pytest.mark.sanitize
 @requires_cuda

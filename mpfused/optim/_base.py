@@ -442,10 +442,13 @@ def _step_versions(params: list, entries: list, memory: Optional[list] = None) -
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
     """(param, master, remainder, stochastic) of the plain and DTensor params among ``params`` that keep an
-    FP32 master or a BF16 remainder (see _follow_writes; a DTensor's ``states`` hold its shards)."""
+    FP32 master or a BF16 remainder (see _follow_writes; a DTensor's ``states`` hold its shards). Not an FP32
+    param's master: the param was made FP32 since, and the step drops that master after the param takes its
+    value where it still holds the master's rounding (_continue_from_master)."""
     out = []
     for p, st in zip(params, states):
-        if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter or _dist.is_dtensor(p)):
+        if st and p.dtype != torch.float32 and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter
+                                                or _dist.is_dtensor(p)):
             master, remainder = st.get("master_param"), st.get("master_remainder")
             if master is not None or remainder is not None:
                 out.append((p, master, remainder, stochastic))
@@ -1207,7 +1210,9 @@ class FusedOptimizer(Optimizer):
                     state["master_param"] = (join_master(p, remainder) if remainder is not None and p.dtype == torch.bfloat16
                                              else like(p.detach(), p, torch.float32))
             elif "master_param" in state:
-                del state["master_param"]
+                master = state.pop("master_param")
+                if p.dtype == torch.float32:
+                    self._continue_from_master(p, master, group.get("rounding") == "stochastic")
         self._complete_state(group, p, state)
         if group.get("rounding") == "stochastic" and "step" not in state:
             # the stochastic write-back's stream is the step number: counted for every policy
@@ -1223,6 +1228,29 @@ class FusedOptimizer(Optimizer):
         if state:  # no empty entries (SGD without momentum keeps no state, like torch)
             self.state[p] = state
         return state
+
+    @staticmethod
+    @torch.no_grad()
+    def _continue_from_master(p: torch.Tensor, master, stochastic: bool) -> None:
+        """An FP16/BF16 param with an FP32 master that is now FP32 itself (``model.float()``, or a low-precision
+        run's checkpoint loaded into an FP32 model) needs no master, and continues from it: the rule by which
+        masters follow writes, seen from the other side. Where the param still holds the master's rounding (to
+        nearest; with stochastic rounding, either of its two neighbours) in FP16 or BF16, it takes the master's
+        value, low bits included; an element written since keeps what was written."""
+        if not isinstance(master, torch.Tensor) or master.dtype != torch.float32 or master.shape != p.shape \
+                or master.device != p.device:
+            return
+        pv, mv = _dist.local(p.detach()), _dist.local(master)
+        if pv.shape != mv.shape or pv.numel() == 0:
+            return
+        held = torch.zeros(pv.shape, dtype=torch.bool, device=pv.device)
+        for low in (torch.float16, torch.bfloat16):
+            near = mv.to(low)
+            held |= pv == near.float()
+            if stochastic:  # the master's other neighbour: one step from the nearest, away from it
+                away = torch.where(near.float() < mv, math.inf, -math.inf).to(low)
+                held |= pv == torch.nextafter(near, away).float()
+        pv.copy_(torch.where(held, mv, pv))
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
@@ -1878,8 +1906,10 @@ class FusedOptimizer(Optimizer):
     def _after_load(self, group: dict, p: torch.Tensor, state: dict) -> None:
         # An FP32 master loaded over an FP32 param (a low-precision run's checkpoint, loaded into the FP32 model
         # that mpfused.amp.initialize casts next) is kept until a step: initialize takes it as the master, with
-        # the low bits the saved low-precision weights lost; a step over the FP32 param drops it (_state_for).
-        kept = state.get("master_param") if p.dtype == torch.float32 else None
+        # the low bits the saved low-precision weights lost; a step over the FP32 param, which needs no master,
+        # first gives the param the master's value where the param still holds its rounding (_state_for; not
+        # here: a load does not write the params).
+        kept = state.pop("master_param", None) if p.dtype == torch.float32 else None
         self._state_for(group, p)
         if isinstance(kept, torch.Tensor) and kept.dtype == torch.float32 and kept.shape == p.shape \
                 and kept.device == p.device and "master_param" not in state:
