@@ -14,7 +14,9 @@ interleaved with the harness's roof probe, so the methods and the roofs see the 
 section        mpfused                                      anchors (all in the same run)
 ============== ============================================ ==================================================
 FP32 AdamW     ``FusedAdamW.step()``                        ``torch.optim.AdamW`` with foreach=False (for-loop),
-                                                            foreach=True and fused=True
+                                                            foreach=True and fused=True; on the CPU, DeepSpeed's
+                                                            ``DeepSpeedCPUAdam(adamw_mode=True)`` (ZeRO-Offload's
+                                                            optimizer) when DeepSpeed is installed
 FP32 Adam      ``FusedAdam.step()``                         ``torch.optim.Adam(fused=True)`` only (to keep the
                                                             run short; AdamW has the full set)
 FP32 SGD       ``FusedSGD(momentum=0.9).step()``            ``torch.optim.SGD(momentum=0.9)``, the same three
@@ -40,8 +42,16 @@ one tensor     (overhead-1), and the same with a new lr
                object every step, as an lr scheduler sets
                it (overhead-1-lr)
 SR FP16/BF16   ``FusedAdamW(master_weights=False,           the same step with ``rounding="nearest"`` (the
-               rounding="stochastic").step()``              anchor: what stochastic rounding costs)
+               rounding="stochastic").step()``, and the     anchor: what stochastic rounding costs); on the CPU,
+               nearest one                                  DeepSpeed's CPU Adam on the same 16-bit params (FP32
+                                                            moments, no masters: the nearest row's job), when
+                                                            DeepSpeed is installed
 remainder BF16 ``FusedAdamW(master_weights="remainder")``   ``FusedAdamW(master_weights=True)``: FP32 masters
+sr-torchao     ``FusedAdamW(master_weights=False,           torchao's ``_AdamW(bf16_stochastic_round=True)``
+               rounding="stochastic")`` on BF16 params,     (FP32 moments, BF16 params written with stochastic
+               and the nearest one, on a transformer's      rounding; a torch.compile'd kernel per param), when
+               shapes (few distinct ones: torchao           torchao is installed (else the section is skipped)
+               compiles once per shape)
 follow FP16    ``clamp_`` of every FP16 param, then         torch's O2 pipeline with the same clipping: fused
 AdamW          ``FusedAdamW.step()`` (FP32 masters), whose  AdamW on FP32 masters, ``clamp_`` of the masters,
                masters follow the write (weight clipping;   ``_foreach_copy_`` into the FP16 params; and our
@@ -98,7 +108,10 @@ reasons are rows of benchmarks/goals.py):
 (c) CUDA: our steps as a share of the copy roof on the traffic model;
 (d) CUDA: our O2 AdamW against torch's O2 pipeline, and (e) against apex when apex is present;
 (f) CUDA: the kernels one ``step()`` launches per param group (counted with torch.profiler);
-(i) CPU: the step with stochastic rounding within 10% of the time of the same step rounding to nearest.
+(i) CPU: the step with stochastic rounding within 10% of the time of the same step rounding to nearest;
+(k) CPU: our FP32 AdamW against DeepSpeed's CPU Adam, and (l) our nearest 16-bit step against it on the same
+params (N/A where DeepSpeed is not installed: ``pip install deepspeed``; its CPU Adam builds on first use);
+(m) our stochastic-rounding BF16 step against torchao's (``pip install torchao``), on either device.
 The remainder mode's time against FP32 masters is reported as INFO.
 
 Memory: each section's tensors are freed before the next one is built; a section that would not fit in
@@ -185,7 +198,7 @@ BYTES_FOLLOW = BYTES_MASTERS_NO_UNSCALE + 4 + 10  # the step, the clamp_ (r+w 4)
 CLAMP = 0.5  # the clipping bound of the follow section: |w| > 0.5 for about 60% of N(0, 1) weights at the start
 
 SECTIONS = ("adamw", "adam", "sgd", "lamb", "lion", "o2-fp16", "o2-bf16", "sr-fp16", "sr-bf16", "remainder",
-            "follow", "overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR)
+            "sr-torchao", "follow", "overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR)
 LOW_PRECISION = {"o2-fp16": ("FP16", torch.float16), "o2-bf16": ("BF16", torch.bfloat16)}
 SR_SECTIONS = {"sr-fp16": ("FP16", torch.float16), "sr-bf16": ("BF16", torch.bfloat16)}
 
@@ -202,6 +215,10 @@ TORCH_O2 = "torch O2: unscale_ -> copy to FP32 grads -> AdamW -> copy back"
 APEX_O2 = "apex FusedAdam(master_weights, capturable) + GradScaler check"
 ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
     "for-loop", "foreach", "fused", "torch O2", "apex")
+ANCHOR_DEEPSPEED, ANCHOR_TORCHAO = "DeepSpeed", "torchao"
+TORCHAO_SR = "torchao optim._AdamW(bf16_stochastic_round=True)"
+SR_TORCHAO = "sr-torchao"
+DEEPSPEED_ADAMW = "DeepSpeed DeepSpeedCPUAdam(adamw_mode=True)"
 OURS_NEAREST = "mpfused FusedAdamW.step(), no masters, rounding='nearest'"
 OURS_SR = "mpfused FusedAdamW.step(), no masters, rounding='stochastic'"
 OVERHEAD_NEAREST = "mpfused FusedAdamW.step() FP16, no masters, rounding='nearest'"
@@ -264,7 +281,7 @@ class Method:
     """One measured way of doing a section's job. ``fn`` is None when the method is not available."""
 
     name: str
-    role: str  # "mpfused", "torch" or "apex"
+    role: str  # "mpfused", "torch", "apex" or "deepspeed"
     fn: Optional[Callable[[], object]]
     bytes_per_param: int
     anchor: Optional[str] = None  # label when the method is a speedup anchor of its section
@@ -310,6 +327,27 @@ def torch_fused_reason(cls: type, device: torch.device, dtype: torch.dtype = tor
     except Exception as e:  # noqa: BLE001 - any failure means "not available here"
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
     return ""
+
+
+def deepspeed_cpu_adamw(params: list, device: torch.device, what: str, **kw: Any) -> Method:
+    """DeepSpeed's CPU Adam (``deepspeed.ops.adam.DeepSpeedCPUAdam``: ZeRO-Offload's optimizer, vectorised C++
+    with OpenMP that DeepSpeed builds on first use) in AdamW mode over ``params``, when DeepSpeed is installed:
+    FP32 moments whatever the params' dtype, FP16/BF16 params updated without masters. n/a otherwise, and on
+    CUDA (it steps CPU params; DeepSpeed's CUDA FusedAdam is not measured here)."""
+    name = f"{DEEPSPEED_ADAMW} {what}" if what else DEEPSPEED_ADAMW
+    if device.type != "cpu":
+        return method(name, "deepspeed", None, kw.pop("nbytes"), anchor=ANCHOR_DEEPSPEED,
+                      na_reason="DeepSpeedCPUAdam steps CPU params (ZeRO-Offload); not measured on CUDA")
+    nbytes = kw.pop("nbytes")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        opt = DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    except Exception as e:  # noqa: BLE001 - any failure means "not available here" (missing, or its build)
+        first = str(e).splitlines()[0] if str(e) else ""
+        return method(name, "deepspeed", None, nbytes, anchor=ANCHOR_DEEPSPEED,
+                      na_reason=f"DeepSpeed: {type(e).__name__}: {first}"[:120])
+    return method(name, "deepspeed", opt.step, nbytes, anchor=ANCHOR_DEEPSPEED, step_count=first_step(opt),
+                  finite_tensors=lambda: list(params))
 
 
 @dataclass
@@ -362,7 +400,11 @@ def fp32_section(key: str, sizes: list[int], device: torch.device) -> Section:
         opt = torch_cls(params, lr=LR, **kw, **variant)
         methods.append(method(name, "torch", opt.step, nbytes, anchor=label,
                               step_count=first_step(opt) if key != "sgd" else None, finite_tensors=finite))
-    section = Section(key, title, model, sum(sizes), len(sizes), methods, [lbl for lbl, _ in variants])
+    anchors = [lbl for lbl, _ in variants]
+    if key == "adamw":
+        methods.append(deepspeed_cpu_adamw(params, device, "", lr=LR, nbytes=nbytes, **kw))
+        anchors.append(ANCHOR_DEEPSPEED)
+    section = Section(key, title, model, sum(sizes), len(sizes), methods, anchors)
     section.notes.append("params and grads are shared by the methods; each optimizer keeps its own state")
     return section
 
@@ -484,7 +526,60 @@ def precision_section(key: str, sizes: list[int], device: torch.device) -> Secti
         methods.append(method(name, "mpfused", opt.step, nbytes, anchor=anchor, step_count=first_step(opt),
                               finite_tensors=finite))
     anchors = [ANCHOR_NEAREST] if key in SR_SECTIONS else [ANCHOR_MASTERS]
+    if key in SR_SECTIONS:  # DeepSpeed's CPU Adam does the nearest row's job: 16-bit params, FP32 moments
+        params = make_params(randn_list(sizes, device, SEED, dtype=dtype), grads)
+        methods.append(deepspeed_cpu_adamw(params, device, f"on {SR_SECTIONS[key][0]} params (no masters)",
+                                           nbytes=BYTES_LOWP_NO_MASTER, **kw))
+        anchors.append(ANCHOR_DEEPSPEED)
     return Section(key, title, model, sum(sizes), len(sizes), methods, anchors, notes)
+
+
+def transformer_sizes(total: int) -> list[int]:
+    """The element counts of a decoder-only transformer's params, about ``total`` in all: a token embedding
+    of width d (1024 from 100M params, 512 from 10M, else 128) with up to 32,000 rows and at most a third of
+    the total, then layers of a fused QKV matrix (3d x d) and its bias, the output projection (d x d) and its
+    bias, the MLP (4d x d, d x 4d) and its biases, and two LayerNorms (weight and bias each), as many layers
+    as the rest holds (at least one): few distinct shapes, many tensors of each, as in a real model (torchao
+    compiles its step once per shape)."""
+    d = 1024 if total >= 100_000_000 else 512 if total >= 10_000_000 else 128
+    embedding = d * max(1, min(32_000, total // 3 // d))
+    layer = [3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d, d, d]
+    layers = max(1, round((total - embedding) / sum(layer)))
+    return [embedding] + layer * layers
+
+
+def torchao_section(total: int, device: torch.device) -> Section:
+    """BF16 AdamW without masters, stochastic write-back: ours against torchao's ``_AdamW(bf16_stochastic_round=
+    True)`` (torchao's AdamW for BF16 params: FP32 moments, the update in FP32 and the param written with
+    stochastic rounding, one ``torch.compile``d kernel per param), when torchao is installed; and our
+    round-to-nearest step. On a transformer's shapes (transformer_sizes), since torchao compiles once per
+    shape (the model-like list's 300 distinct sizes would take it minutes of compiling). Each on its own
+    copy of the params, the grads shared."""
+    sizes = transformer_sizes(total)
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    grads = randn_list(sizes, device, SEED + 1, std=GRAD_STD, dtype=torch.bfloat16)
+    methods = []
+    for name, mode in ((OURS_SR, dict(rounding="stochastic", seed=SEED)), (OURS_NEAREST, dict(rounding="nearest"))):
+        params = make_params(randn_list(sizes, device, SEED, dtype=torch.bfloat16), grads)
+        opt = FusedAdamW(params, master_weights=False, **kw, **mode)
+        methods.append(method(name, "mpfused", opt.step, BYTES_LOWP_NO_MASTER, step_count=first_step(opt),
+                              finite_tensors=lambda params=params: list(params)))
+    params = make_params(randn_list(sizes, device, SEED, dtype=torch.bfloat16), grads)
+    try:
+        from torchao.optim import _AdamW as TorchaoAdamW
+        ao = TorchaoAdamW(params, **kw, bf16_stochastic_round=True)
+    except Exception as e:  # noqa: BLE001 - any failure means "not available here"
+        first = str(e).splitlines()[0] if str(e) else ""
+        methods.append(method(TORCHAO_SR, "torchao", None, BYTES_LOWP_NO_MASTER, anchor=ANCHOR_TORCHAO,
+                              na_reason=f"torchao: {type(e).__name__}: {first}"[:120]))
+    else:
+        methods.append(method(TORCHAO_SR, "torchao", ao.step, BYTES_LOWP_NO_MASTER, anchor=ANCHOR_TORCHAO,
+                              step_count=first_step(ao), finite_tensors=lambda: list(params)))
+    title = "BF16 AdamW without masters, stochastic write-back: ours vs torchao (a transformer's shapes)"
+    model = f"{BYTES_LOWP_NO_MASTER} B/param: param r+w 4, grad r 2, exp_avg and exp_avg_sq r+w 16"
+    notes = [f"a transformer's params ({len(sizes)} tensors, {len(set(sizes))} shapes; transformer_sizes); "
+             "torchao's first step, which compiles a kernel per shape, is not timed (as every method's first step)"]
+    return Section(SR_TORCHAO, title, model, sum(sizes), len(sizes), methods, [ANCHOR_TORCHAO], notes)
 
 
 def follow_section(sizes: list[int], device: torch.device) -> Section:
@@ -656,6 +751,24 @@ def o2_section(key: str, sizes: list[int], device: torch.device) -> Section:
                    "the inf check; step() alone 30; without the grad write-back 28", sum(sizes), len(sizes), methods, [ANCHOR_O2, ANCHOR_APEX], notes)
 
 
+def installed_version(package: str) -> str:
+    """The installed version of ``package`` (from its metadata: nothing is imported), or "not installed"."""
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def torchao_importable() -> str:
+    """Empty when ``torchao.optim._AdamW`` imports, else why not."""
+    try:
+        from torchao.optim import _AdamW  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
+    return ""
+
+
 def apex_importable() -> str:
     """Empty when ``import apex`` works, else why not."""
     try:
@@ -811,16 +924,17 @@ def bytes_needed(key: str, params: int, with_apex: bool) -> int:
     # pipeline, apex, generation temporaries
     o2 = 4 + 2 * 12 + (4 + 12) + 20 + (16 if with_apex else 0) + 4
     per_param = {
-        "adamw": 8 + 4 * 8 + 12,  # shared param+grad, 4 optimizers' moments, foreach temporaries
+        "adamw": 8 + 5 * 8 + 12,  # shared param+grad, 5 optimizers' moments (DeepSpeed's), foreach temporaries
         "adam": 8 + 2 * 8 + 4,
         "sgd": 8 + 4 * 4 + 8,
         "lamb": 8 + 2 * 8 + 12,  # shared param+grad, two optimizers' moments, the torch loop's temporaries
         "lion": 8 + 3 * 4 + 8,
         "o2-fp16": o2,
         "o2-bf16": o2,
-        "sr-fp16": 2 + 2 * 20 + 4,  # shared grads, two optimizers' params and moments, temporaries
-        "sr-bf16": 2 + 2 * 20 + 4,
+        "sr-fp16": 2 + 3 * 20 + 4,  # shared grads, three optimizers' params and moments (DeepSpeed's), temporaries
+        "sr-bf16": 2 + 3 * 20 + 4,
         "remainder": 2 + 22 + 24 + 4,  # shared grads; param, remainder, moments; param, master, moments
+        SR_TORCHAO: 2 + 3 * 20 + 4,  # shared grads, three optimizers' params and moments, temporaries
         "follow": 2 + 2 * 22 + 24 + 4,  # shared grads; ours twice (param, master, moments); torch's pipeline
         "overhead": 0,
         OVERHEAD_ONE: 0,
@@ -1086,6 +1200,13 @@ def evaluate_targets(records: list[dict], device: torch.device, skipped: dict[st
     for key in ("overhead", OVERHEAD_ONE, OVERHEAD_ONE_LR):
         x, na = speedup(key, OVERHEAD_OURS, ANCHOR_FUSED)
         add_goal("(j)", key, x, "{:.2f}x", na)
+    x, na = speedup("adamw", OURS_ADAMW, ANCHOR_DEEPSPEED)
+    add_goal("(k)", "adamw", x, "{:.2f}x", na)
+    for key in SR_SECTIONS:
+        x, na = speedup(key, OURS_NEAREST, ANCHOR_DEEPSPEED)
+        add_goal("(l)", key, x, "{:.2f}x", na)
+    x, na = speedup(SR_TORCHAO, OURS_SR, ANCHOR_TORCHAO)
+    add_goal("(m)", SR_TORCHAO, x, "{:.2f}x", na)
     rem, masters = find(records, "remainder", OURS_REMAINDER), find(records, "remainder", OURS_MASTERS)
     add("remainder step time / FP32-master step time (BF16 AdamW)", "remainder",
         None if rem is None or masters is None else rem["timing"]["median_s"] / masters["timing"]["median_s"],
@@ -1164,6 +1285,8 @@ def main() -> None:
                f"{args.repeats} timed steps per method, at most ~{args.max_seconds:g} s each (at least 3 steps)")
     apex_reason = apex_importable()
     print_text(f"apex: not importable ({apex_reason})" if apex_reason else "apex: importable")
+    anchor_packages = {name: installed_version(name) for name in ("deepspeed", "torchao")}
+    print_text("other anchors: " + ", ".join(f"{name} {version}" for name, version in anchor_packages.items()))
     if device.type == "cpu":
         print_text("  on the CPU the copy roof counts y.copy_(x) as read + write, without the read of y that "
                    "write-allocate adds; in-place updates (read-modify-write) can therefore exceed 100%")
@@ -1178,6 +1301,10 @@ def main() -> None:
     sections_meta: dict[str, tuple[list[str], str, str, list[str]]] = {}
     for key in args.sections:
         free_memory(device)
+        if key == SR_TORCHAO and torchao_importable():
+            skipped[key] = f"torchao not importable ({torchao_importable()}): pip install torchao"
+            print_text(f"[{key}] skipped: {skipped[key]}")
+            continue
         need = bytes_needed(key, total, with_apex=not apex_reason and device.type == "cuda")
         have = memory_available(device)
         if have is not None and need > 0.9 * have:
@@ -1192,6 +1319,8 @@ def main() -> None:
             section = o2_section(key, sizes, device)
         elif key in SR_SECTIONS or key == "remainder":
             section = precision_section(key, sizes, device)
+        elif key == SR_TORCHAO:
+            section = torchao_section(total, device)
         elif key == "follow":
             section = follow_section(sizes, device)
         elif key == "overhead":
@@ -1232,7 +1361,7 @@ def main() -> None:
                   "grad_std": GRAD_STD, "lr": LR, "betas": list(BETAS), "eps": EPS, "adamw_weight_decay": WEIGHT_DECAY,
                   "sgd_momentum": MOMENTUM, "sections": args.sections, "skipped_sections": skipped,
                   "quick": args.quick, "warmup": args.warmup, "max_repeats": args.repeats,
-                  "max_seconds": args.max_seconds, "apex": apex_reason or "importable",
+                  "max_seconds": args.max_seconds, "apex": apex_reason or "importable", **anchor_packages,
                   "traffic_model_bytes_per_param": {"fp32_adam": BYTES_FP32_ADAM, "fp32_sgd": BYTES_FP32_SGD,
                                                     "fp32_lamb": BYTES_FP32_LAMB, "fp32_lion": BYTES_FP32_LION,
                                                     "o2_adamw": BYTES_O2, "o2_adamw_step_only": BYTES_O2_STEP,

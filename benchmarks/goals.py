@@ -105,6 +105,17 @@ GOALS: tuple[Goal, ...] = (
          "on a small model a step is host time: torch's fused AdamW is one generated binding and one kernel; "
          "ours must cost no more, per step (one tensor, with a fixed lr or a scheduler's new one each step) "
          "and per tensor (300 tensors)"),
+    Goal("optim", "(k)", "FP32 AdamW: ours vs DeepSpeed's CPU Adam (when DeepSpeed is installed)", ">=", 1.0,
+         "{:.2f}x", "cpu",
+         "DeepSpeedCPUAdam is the CPU optimizer of ZeRO-Offload, vectorised C++ with OpenMP over the same 28 "
+         "B/param: on its own ground, the host, ours must be at least as fast"),
+    Goal("optim", "(l)", "FP16/BF16 AdamW without masters, nearest: ours vs DeepSpeed's CPU Adam on the same "
+         "params (when installed)", ">=", 1.0, "{:.2f}x", "cpu",
+         "DeepSpeedCPUAdam also updates 16-bit params in place with FP32 moments: the same 22 B/param job"),
+    Goal("optim", "(m)", "BF16 AdamW with stochastic rounding, no masters: ours vs torchao's (when installed)",
+         ">=", 1.0, "{:.2f}x", "any",
+         "torchao's AdamW with bf16_stochastic_round does the same job (FP32 moments, 22 B/param) with one "
+         "compiled kernel per param; ours does it in one pass over every param, so it must be at least as fast"),
     # ---- bench_scaler.py: GradScaler + FusedAdamW iteration with clipping ---------------------------------
     Goal("scaler", "(a)", "ours vs torch O2 iteration (FP32 masters, clip)", ">=", 1.5, "{:.1f}x", "any",
          "torch's O2 iteration moves 60 B/param where ours moves 36 (bench_scaler's traffic models): 1.67x, "
