@@ -1247,9 +1247,14 @@ class FusedOptimizer(Optimizer):
         for low in (torch.float16, torch.bfloat16):
             near = mv.to(low)
             held |= pv == near.float()
-            if stochastic:  # the master's other neighbour: one step from the nearest, away from it
-                away = torch.where(near.float() < mv, math.inf, -math.inf).to(low)
-                held |= pv == torch.nextafter(near, away).float()
+            if stochastic:
+                # The master's other neighbour: one step of magnitude from the nearest, toward the master (the
+                # bits are sign and magnitude: +1 / -1 on them moves the magnitude; from inf, the largest
+                # finite; from 0, the smallest subnormal of the zero's sign). (Not torch.nextafter: older
+                # torch releases have no FP16 nextafter on CUDA.)
+                gap = mv.abs() - near.float().abs()
+                step = (gap > 0).to(torch.int16) - (gap < 0).to(torch.int16)
+                held |= pv == (near.view(torch.int16) + step).view(low).float()
         pv.copy_(torch.where(held, mv, pv))
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
