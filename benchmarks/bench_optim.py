@@ -111,7 +111,8 @@ reasons are rows of benchmarks/goals.py):
 (i) CPU: the step with stochastic rounding within 10% of the time of the same step rounding to nearest;
 (k) CPU: our FP32 AdamW against DeepSpeed's CPU Adam, and (l) our nearest 16-bit step against it on the same
 params (N/A where DeepSpeed is not installed: ``pip install deepspeed``; its CPU Adam builds on first use);
-(m) our stochastic-rounding BF16 step against torchao's (``pip install torchao``), on either device.
+(m) CUDA: our stochastic-rounding BF16 step against torchao's (``pip install torchao``; INFO on the CPU, where
+torchao runs one inductor C++ kernel call per param: not its ground).
 The remainder mode's time against FP32 masters is reported as INFO.
 
 Memory: each section's tensors are freed before the next one is built; a section that would not fit in
@@ -216,6 +217,7 @@ APEX_O2 = "apex FusedAdam(master_weights, capturable) + GradScaler check"
 ANCHOR_LOOP, ANCHOR_FOREACH, ANCHOR_FUSED, ANCHOR_O2, ANCHOR_APEX = (
     "for-loop", "foreach", "fused", "torch O2", "apex")
 ANCHOR_DEEPSPEED, ANCHOR_TORCHAO = "DeepSpeed", "torchao"
+OPTIONAL_ROLES = ("apex", "deepspeed", "torchao")  # packages that are not dependencies: a failure is "n/a"
 TORCHAO_SR = "torchao optim._AdamW(bf16_stochastic_round=True)"
 SR_TORCHAO = "sr-torchao"
 DEEPSPEED_ADAMW = "DeepSpeed DeepSpeedCPUAdam(adamw_mode=True)"
@@ -281,7 +283,7 @@ class Method:
     """One measured way of doing a section's job. ``fn`` is None when the method is not available."""
 
     name: str
-    role: str  # "mpfused", "torch", "apex" or "deepspeed"
+    role: str  # "mpfused", "torch", or an optional anchor's package (OPTIONAL_ROLES)
     fn: Optional[Callable[[], object]]
     bytes_per_param: int
     anchor: Optional[str] = None  # label when the method is a speedup anchor of its section
@@ -527,7 +529,7 @@ def precision_section(key: str, sizes: list[int], device: torch.device) -> Secti
                               finite_tensors=finite))
     anchors = [ANCHOR_NEAREST] if key in SR_SECTIONS else [ANCHOR_MASTERS]
     if key in SR_SECTIONS:  # DeepSpeed's CPU Adam does the nearest row's job: 16-bit params, FP32 moments
-        params = make_params(randn_list(sizes, device, SEED, dtype=dtype), grads)
+        params = make_params(randn_list(sizes, device, SEED, dtype=dtype), grads) if device.type == "cpu" else []
         methods.append(deepspeed_cpu_adamw(params, device, f"on {SR_SECTIONS[key][0]} params (no masters)",
                                            nbytes=BYTES_LOWP_NO_MASTER, **kw))
         anchors.append(ANCHOR_DEEPSPEED)
@@ -1024,11 +1026,20 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 def measure_section(section: Section, args: argparse.Namespace, probe: RoofProbe) -> tuple[Roofs, list[dict]]:
     device = args.device
+    for m in section.methods:  # the first step creates the optimizer state (lazily, like torch): never timed
+        if m.fn is None:
+            continue
+        if m.role not in OPTIONAL_ROLES:
+            m.fn()
+            continue
+        try:  # an optional anchor's package may be installed and still fail (its build, its version): n/a
+            m.fn()
+        except Exception as e:  # noqa: BLE001
+            first = str(e).splitlines()[0] if str(e) else ""
+            m.fn, m.na_reason = None, f"its first step raised {type(e).__name__}: {first}"[:120]
     live = [m for m in section.methods if m.fn is not None]
     load = OtherLoad()
     load.start()
-    for m in live:  # the first step creates the optimizer state (lazily, like torch): never timed
-        m.fn()
     synchronize_all(device)
     repeats = max(args.repeats, 20) if section.key.startswith("overhead") else args.repeats
     burst = section.steps_per_call
@@ -1301,8 +1312,9 @@ def main() -> None:
     sections_meta: dict[str, tuple[list[str], str, str, list[str]]] = {}
     for key in args.sections:
         free_memory(device)
-        if key == SR_TORCHAO and torchao_importable():
-            skipped[key] = f"torchao not importable ({torchao_importable()}): pip install torchao"
+        why = torchao_importable() if key == SR_TORCHAO else ""
+        if why:
+            skipped[key] = f"torchao not importable ({why}): pip install torchao"
             print_text(f"[{key}] skipped: {skipped[key]}")
             continue
         need = bytes_needed(key, total, with_apex=not apex_reason and device.type == "cuda")

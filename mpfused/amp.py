@@ -376,7 +376,8 @@ def initialize(model: nn.Module, optimizer=None, opt_level: str = "O1", *, dtype
     are needed (the fused optimizers take no sparse gradients), and is an error where they are, as is a
     fused optimizer over one. Create LR schedulers after this call (they hold a reference to the optimizer).
     The hooks registered on a replaced optimizer (``register_step_pre_hook`` and the other per-optimizer
-    hooks) are the fused one's, their handles still valid; the replacement itself runs none of them.
+    hooks) are the fused one's: the two share them, so their handles stay valid (and a hook registered on
+    the old one later runs on the new one); the replacement itself runs none of them.
 
     ``opt_level``: "O0" FP32 (the accuracy baseline, loss scale 1); "O1" FP32 weights, forward under
     ``torch.autocast(device_type, dtype)`` with its low-precision outputs returned as FP32, dynamic loss

@@ -1067,9 +1067,9 @@ def test_masters_keep_their_bits_when_nothing_else_writes_the_params():
     assert torch.equal(resumed.state[q]["master_param"], opt.state[p]["master_param"]) and torch.equal(q, p)
 
 
-@pytest.mark.parametrize("how", ["cast", "resume"])
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("dtype,rounding,how", [
+    (dtype, rounding, how) for dtype in LOWP for rounding in ("nearest", "stochastic") for how in ("cast", "resume")
+] + [(torch.bfloat16, "nearest", "remainder")])
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
 def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how):
     """FP16/BF16 params with FP32 masters that become FP32 (``model.float()`` mid-run, or the run's
@@ -1077,36 +1077,59 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     masters' values, low bits included, as the steps before it did (its gradient, like theirs, comes from
     the params' rounded values), except where the param was written after the cast (that element keeps
     what was written, as masters follow writes). It was: from the FP16/BF16 values, the masters' low bits
-    lost. Loading the optimizer writes no param."""
+    lost. Loading the optimizer writes no param. A cast group that now rounds to nearest still recognises
+    the stochastic run's roundings; BF16 remainders (the step refuses FP32 params in such a group, which then
+    leaves the mode) continue from the masters they hold with their params."""
     torch.manual_seed(3)
     model = torch.nn.Linear(16, 8).to(dtype)
-    opt = cls(model.parameters(), **KW[cls], rounding=rounding, seed=5)
+    mode = dict(master_weights="remainder") if how == "remainder" else dict(rounding=rounding, seed=5)
+    opt = cls(model.parameters(), **KW[cls], **mode)
     for _ in range(3):
         opt.zero_grad()
         model(torch.randn(4, 16).to(dtype)).float().pow(2).mean().backward()
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    masters = [saved["state"][i]["master_param"] for i in range(2)]
-    assert not torch.equal(masters[0], model.weight.detach().float())  # low bits the param does not hold
-    if how == "cast":
-        model.float()
+    if how == "remainder":
+        remainders = [opt.state[p]["master_remainder"].clone() for p in model.parameters()]
+        masters = [mpfused.optim._base.join_master(p.detach(), r) for p, r in zip(model.parameters(), remainders)]
+        for st in saved["state"].values():
+            del st["master_remainder"]
     else:
+        masters = [saved["state"][i].pop("master_param") for i in range(2)]
+    assert not torch.equal(masters[0], model.weight.detach().float())  # low bits the param does not hold
+    if how == "resume":
         low = model.state_dict()
         model = torch.nn.Linear(16, 8)
         model.load_state_dict(low)
         opt = cls(model.parameters(), **KW[cls])
-        opt.load_state_dict(copy.deepcopy(saved))
+        with_masters = copy.deepcopy(saved)
+        for i in range(2):
+            with_masters["state"][i]["master_param"] = masters[i]
+        opt.load_state_dict(with_masters)
         assert torch.equal(model.weight, low["weight"].float())  # the load wrote no param
+    else:
+        model.float()
+        if how == "remainder":
+            x = torch.randn(4, 16)
+            model(x).pow(2).mean().backward()
+            with pytest.raises(ValueError, match="float32 params need no master"):
+                opt.step()
+            opt.param_groups[0]["master_weights"] = None
+        elif rounding == "stochastic":
+            opt.param_groups[0]["rounding"] = "nearest"  # the masters' roundings still count as held
     with torch.no_grad():
         model.weight[0, 0] = 0.375  # a write after the cast: this element keeps it
     start = [masters[0].clone(), masters[1].clone()]
     start[0][0, 0] = 0.375
+    if how == "remainder":  # a written value stands with the old low bits below it, as remainders follow writes
+        start[0][0, 0] = mpfused.optim._base.join_master(torch.tensor([0.375], dtype=torch.bfloat16),
+                                                         remainders[0][0, :1]).item()
+        assert start[0][0, 0] != 0.375
     x = torch.randn(4, 16)
     ref_model = copy.deepcopy(model)  # the same values for the forward and backward
     ref = cls(ref_model.parameters(), **KW[cls])
     ref_saved = copy.deepcopy(saved)
-    for st in ref_saved["state"].values():
-        del st["master_param"]
+    ref_saved["param_groups"][0]["master_weights"] = None  # (FP32 params: "remainder" would be refused)
     ref.load_state_dict(ref_saved)
     for m, o in ((model, opt), (ref_model, ref)):
         o.zero_grad()
@@ -1118,7 +1141,7 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     ref.step()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert a.dtype == torch.float32 and torch.equal(a, b)
-    assert all("master_param" not in opt.state[p] for p in model.parameters())
+    assert all(not {"master_param", "master_remainder"} & set(opt.state[p]) for p in model.parameters())
 
 
 # ---- CUDA against the CPU ---------------------------------------------------------------------------------

@@ -442,13 +442,10 @@ def _step_versions(params: list, entries: list, memory: Optional[list] = None) -
 
 def _followed(params: list, states: list, stochastic: bool) -> tuple:
     """(param, master, remainder, stochastic) of the plain and DTensor params among ``params`` that keep an
-    FP32 master or a BF16 remainder (see _follow_writes; a DTensor's ``states`` hold its shards). Not an FP32
-    param's master: the param was made FP32 since, and the step drops that master after the param takes its
-    value where it still holds the master's rounding (_continue_from_master)."""
+    FP32 master or a BF16 remainder (see _follow_writes; a DTensor's ``states`` hold its shards)."""
     out = []
     for p, st in zip(params, states):
-        if st and p.dtype != torch.float32 and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter
-                                                or _dist.is_dtensor(p)):
+        if st and (type(p) is torch.Tensor or type(p) is torch.nn.Parameter or _dist.is_dtensor(p)):
             master, remainder = st.get("master_param"), st.get("master_remainder")
             if master is not None or remainder is not None:
                 out.append((p, master, remainder, stochastic))
@@ -1205,6 +1202,8 @@ class FusedOptimizer(Optimizer):
         else:
             if remainder is not None:
                 del state["master_remainder"]
+                if p.dtype == torch.float32:  # a BF16 param made FP32 (its group no longer "remainder")
+                    self._continue_from_master(p, join_master(p.detach().to(torch.bfloat16), remainder))
             if self._wants_master(group, p):
                 if "master_param" not in state:
                     state["master_param"] = (join_master(p, remainder) if remainder is not None and p.dtype == torch.bfloat16
@@ -1212,7 +1211,7 @@ class FusedOptimizer(Optimizer):
             elif "master_param" in state:
                 master = state.pop("master_param")
                 if p.dtype == torch.float32:
-                    self._continue_from_master(p, master, group.get("rounding") == "stochastic")
+                    self._continue_from_master(p, master)
         self._complete_state(group, p, state)
         if group.get("rounding") == "stochastic" and "step" not in state:
             # the stochastic write-back's stream is the step number: counted for every policy
@@ -1231,31 +1230,37 @@ class FusedOptimizer(Optimizer):
 
     @staticmethod
     @torch.no_grad()
-    def _continue_from_master(p: torch.Tensor, master, stochastic: bool) -> None:
-        """An FP16/BF16 param with an FP32 master that is now FP32 itself (``model.float()``, or a low-precision
-        run's checkpoint loaded into an FP32 model) needs no master, and continues from it: the rule by which
-        masters follow writes, seen from the other side. Where the param still holds the master's rounding (to
-        nearest; with stochastic rounding, either of its two neighbours) in FP16 or BF16, it takes the master's
-        value, low bits included; an element written since keeps what was written."""
-        if not isinstance(master, torch.Tensor) or master.dtype != torch.float32 or master.shape != p.shape \
-                or master.device != p.device:
+    def _continue_from_master(p: torch.Tensor, master) -> None:
+        """An FP16/BF16 param with an FP32 master (or a BF16 remainder, joined into one) that is now FP32 itself
+        (``model.float()``, or a low-precision run's checkpoint loaded into an FP32 model) needs no master, and
+        continues from it: the rule by which masters follow writes, seen from the other side. Where the param
+        still holds one of the master's two neighbours in FP16 or BF16 (its rounding to nearest, or the other
+        one, which stochastic rounding writes too: whatever the group's rounding is now), it takes the master's
+        value, low bits included; an element written since keeps what was written. Done in chunks of 2^22
+        elements (the temporaries: about 20 bytes an element)."""
+        if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
             return
-        pv, mv = _dist.local(p.detach()), _dist.local(master)
-        if pv.shape != mv.shape or pv.numel() == 0:
+        pv, mv = _dist.local(p.detach()), _dist.local(master)  # (DTensors: shard by shard)
+        if pv.shape != mv.shape or pv.device != mv.device or pv.numel() == 0:
             return
-        held = torch.zeros(pv.shape, dtype=torch.bool, device=pv.device)
-        for low in (torch.float16, torch.bfloat16):
-            near = mv.to(low)
-            held |= pv == near.float()
-            if stochastic:
+        if pv.is_contiguous() and mv.is_contiguous():
+            pv, mv = pv.view(-1), mv.view(-1)
+            parts = zip(pv.split(1 << 22), mv.split(1 << 22))
+        else:
+            parts = [(pv, mv)]
+        for pc, mc in parts:
+            held = torch.zeros(pc.shape, dtype=torch.bool, device=pc.device)
+            for low in (torch.float16, torch.bfloat16):
+                near = mc.to(low)
+                held |= pc == near.float()
                 # The master's other neighbour: one step of magnitude from the nearest, toward the master (the
-                # bits are sign and magnitude: +1 / -1 on them moves the magnitude; from inf, the largest
-                # finite; from 0, the smallest subnormal of the zero's sign). (Not torch.nextafter: older
-                # torch releases have no FP16 nextafter on CUDA.)
-                gap = mv.abs() - near.float().abs()
+                # bits are sign and magnitude: +1 / -1 on them moves the magnitude; from inf, the largest finite;
+                # from 0, the smallest subnormal of the zero's sign). (Not torch.nextafter: older torch releases
+                # have no FP16 nextafter on CUDA.)
+                gap = mc.abs() - near.float().abs()
                 step = (gap > 0).to(torch.int16) - (gap < 0).to(torch.int16)
-                held |= pv == (near.view(torch.int16) + step).view(low).float()
-        pv.copy_(torch.where(held, mv, pv))
+                held |= pc == (near.view(torch.int16) + step).view(low).float()
+            pc.copy_(torch.where(held, mc, pc))
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
