@@ -1071,7 +1071,7 @@ def test_masters_keep_their_bits_when_nothing_else_writes_the_params():
     (dtype, rounding, how) for dtype in LOWP for rounding in ("nearest", "stochastic") for how in ("cast", "resume")
 ] + [(torch.bfloat16, "nearest", "remainder")])
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
-def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how):
+def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how, device):
     """FP16/BF16 params with FP32 masters that become FP32 (``model.float()`` mid-run, or the run's
     checkpoint loaded into an FP32 model) need no master, and continue from it: the next step updates the
     masters' values, low bits included, as the steps before it did (its gradient, like theirs, comes from
@@ -1081,12 +1081,12 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     the stochastic run's roundings; BF16 remainders (the step refuses FP32 params in such a group, which then
     leaves the mode) continue from the masters they hold with their params."""
     torch.manual_seed(3)
-    model = torch.nn.Linear(16, 8).to(dtype)
+    model = torch.nn.Linear(16, 8).to(device, dtype)
     mode = dict(master_weights="remainder") if how == "remainder" else dict(rounding=rounding, seed=5)
     opt = cls(model.parameters(), **KW[cls], **mode)
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randn(4, 16).to(dtype)).float().pow(2).mean().backward()
+        model(torch.randn(4, 16).to(device, dtype)).float().pow(2).mean().backward()  # (drawn on the CPU)
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
     if how == "remainder":
@@ -1099,7 +1099,7 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     assert not torch.equal(masters[0], model.weight.detach().float())  # low bits the param does not hold
     if how == "resume":
         low = model.state_dict()
-        model = torch.nn.Linear(16, 8)
+        model = torch.nn.Linear(16, 8).to(device)
         model.load_state_dict(low)
         opt = cls(model.parameters(), **KW[cls])
         with_masters = copy.deepcopy(saved)
@@ -1110,7 +1110,7 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     else:
         model.float()
         if how == "remainder":
-            x = torch.randn(4, 16)
+            x = torch.randn(4, 16).to(device)
             model(x).pow(2).mean().backward()
             with pytest.raises(ValueError, match="float32 params need no master"):
                 opt.step()
@@ -1122,10 +1122,10 @@ def test_params_made_fp32_continue_from_their_masters(cls, dtype, rounding, how)
     start = [masters[0].clone(), masters[1].clone()]
     start[0][0, 0] = 0.375
     if how == "remainder":  # a written value stands with the old low bits below it, as remainders follow writes
-        start[0][0, 0] = mpfused.optim._base.join_master(torch.tensor([0.375], dtype=torch.bfloat16),
+        start[0][0, 0] = mpfused.optim._base.join_master(torch.tensor([0.375], dtype=torch.bfloat16, device=device),
                                                          remainders[0][0, :1]).item()
         assert start[0][0, 0] != 0.375
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16).to(device)
     ref_model = copy.deepcopy(model)  # the same values for the forward and backward
     ref = cls(ref_model.parameters(), **KW[cls])
     ref_saved = copy.deepcopy(saved)
