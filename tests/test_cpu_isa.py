@@ -144,6 +144,26 @@ for dt in (torch.float16, torch.bfloat16):
             opt.step()
         out[f"{dt}-{cls.__name__}-{kw}"] = [p.detach().clone() for p in ps] + [
             v.clone() for p in ps for v in opt.state[p].values()]
+    # non-finite and tied values inside full tiles (16 values) and a tile's tail, in every rounding and
+    # weight source: the NaN lanes of the joined and split remainders, infs, masters on a BF16 tie
+    specials = [float("nan"), float("inf"), -float("inf"), 1 + 2.0**-8, -(1 + 3 * 2.0**-8), 2.0**-130]
+    modes = [(FusedAdam, dict(master_weights=False)), (FusedAdam, dict(master_weights=True)),
+             (FusedAdam, dict(master_weights=False, rounding="stochastic", seed=9))]
+    if dt == torch.bfloat16:
+        modes.append((FusedAdam, dict(master_weights="remainder")))
+    for cls, kw in modes:
+        ps = [torch.nn.Parameter((torch.randn(n, generator=g)).to(dt)) for n in (21, 1000)]
+        for p in ps:
+            p.data[3:3 + len(specials)] = torch.tensor(specials).to(dt)
+            p.data[-4:] = torch.tensor(specials[:4]).to(dt)
+        opt = cls(ps, lr=1e-3, **kw)
+        for i in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(dt)
+                p.grad[11] = float("nan") if i == 0 else float("inf")
+            opt.step()
+        out[f"{dt}-specials-{kw}"] = [p.detach().clone() for p in ps] + [
+            v.clone() for p in ps for v in opt.state[p].values()]
     a = torch.randn(37, 70, generator=g).to(dt); b = torch.randn(70, 45, generator=g).to(dt)
     bias = torch.randn(45, generator=g).to(dt); c = torch.randn(37, 45, generator=g).to(dt)
     for act in (None, "relu", "gelu"):
