@@ -141,8 +141,11 @@ for dt in (torch.float16, torch.bfloat16):
         for i in range(3):
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g).to(dt)
+            if i == 2:  # a scaled step: the unscaled gradient written back beside the (rounded) param
+                opt.grad_scale, opt.found_inf = torch.tensor([4.0]), torch.zeros(1)
             opt.step()
-        out[f"{dt}-{cls.__name__}-{kw}"] = [p.detach().clone() for p in ps] + [
+        del opt.grad_scale, opt.found_inf
+        out[f"{dt}-{cls.__name__}-{kw}"] = [p.detach().clone() for p in ps] + [p.grad.clone() for p in ps] + [
             v.clone() for p in ps for v in opt.state[p].values()]
     # non-finite and tied values inside full tiles (16 values) and a tile's tail, in every rounding and
     # weight source: the NaN lanes of the joined and split remainders, infs, masters on a BF16 tie

@@ -296,9 +296,10 @@ def test_stochastic_write_back_across_a_carry_of_the_block_counter(dtype, before
     philox_words, which shares the CPU's pass logic."""
     x = torch.randn(1500, generator=torch.Generator().manual_seed(6)).to(dtype)
     p, step = x.clone(), torch.zeros(())
-    # 70 blocks before the carry: it falls 48 elements into the visit's second block of 512, where no vector
-    # pass fits; 40: one avx512 pass fits in the first block of 512 and the next does not (sr_passes returns
-    # after one pass, sr_round goes on across the carry)
+    # 70 blocks before the carry (lead 0): the tile passes (sr_pipeline: 16 blocks each on avx512, 8 on avx2) stop at
+    # the one that would straddle it, and the blocks (sr_round) go on across it, 48 elements in; 40 (lead
+    # 0): on avx512 two passes, then the blocks from 64 elements before the carry; on avx2 the fifth pass
+    # ends on the carry and the sixth starts with the high word of the block index at 1
     offset = (1 << 35) - 8 * before + lead
     hyper = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
     mpfused._ops.optim_step_("sgd", [p], [torch.ones_like(p)], [None], {}, [step], lr=1e-3, hyper=hyper,
